@@ -1,0 +1,26 @@
+"""keras-mgpu: drop-in Keras 3 components for multi-GPU, multi-worker training."""
+
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+import keras  # noqa: E402
+
+if keras.backend.backend() != "tensorflow":
+    raise ImportError(
+        f"keras-mgpu needs Keras's TensorFlow backend, but the active backend "
+        f"is {keras.backend.backend()!r} (KERAS_BACKEND="
+        f"{os.environ.get('KERAS_BACKEND')!r}). Set KERAS_BACKEND=tensorflow "
+        "before importing keras or keras_mgpu."
+    )
+
+from keras_mgpu import compat  # noqa: E402,F401
+from keras_mgpu import strategy  # noqa: E402,F401
+from keras_mgpu.strategy import auto_strategy  # noqa: E402,F401
+from keras_mgpu.strategy import global_batch_size  # noqa: E402,F401
+from keras_mgpu.strategy import is_chief  # noqa: E402,F401
+from keras_mgpu.strategy import num_replicas  # noqa: E402,F401
+from keras_mgpu.strategy import num_workers  # noqa: E402,F401
+from keras_mgpu.strategy import worker_index  # noqa: E402,F401
+
+__version__ = "0.1.0"

@@ -1,0 +1,114 @@
+"""Every use of Keras and TensorFlow private internals, in one place.
+
+Each workaround is named for the bug it fixes, is gated on the Keras versions
+it was written for, and is covered by tests that also show when a Keras
+release no longer needs it.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import keras
+from packaging.version import Version
+
+KERAS_VERSION = Version(keras.__version__)
+
+# keras-team/keras#20585: `fit`/`evaluate` fail under
+# MultiWorkerMirroredStrategy. Measured broken on 3.15.1; still open.
+MULTI_WORKER_FIT_BROKEN = (Version("3.0.0"), Version("3.16.0.dev0"))
+
+_lock = threading.Lock()
+_multi_worker_fit_enabled = False
+
+
+def multi_worker_fit_needs_fix(version: Version = KERAS_VERSION) -> bool:
+    """Whether `version` of Keras has keras-team/keras#20585."""
+    low, high = MULTI_WORKER_FIT_BROKEN
+    return low <= version < high
+
+
+def multi_worker_fit_enabled() -> bool:
+    """Whether `enable_multi_worker_fit()` has patched Keras in this process."""
+    return _multi_worker_fit_enabled
+
+
+def enable_multi_worker_fit() -> bool:
+    """Makes `fit`, `evaluate` and `predict` work under MultiWorkerMirroredStrategy.
+
+    Works around keras-team/keras#20585 in Keras's TensorFlow trainer:
+    - the symbolic build before training reduces the first batch with
+      `strategy.reduce("MEAN", batch, axis=None)`, which fails on a
+      multi-worker `PerReplica` batch; only its shapes are needed, so the
+      first local replica's batch is used instead, with no collective;
+    - scalar logs are reduced with `strategy.reduce("MEAN", v, axis=0)`,
+      which fails for a 0-d tensor; they are reduced with `axis=None`.
+
+    The patch applies only to the Keras versions that have the bug
+    (`MULTI_WORKER_FIT_BROKEN`); on others it does nothing. It is idempotent
+    and never applied by `import keras_mgpu`.
+
+    Returns:
+        Whether the patch is active after the call.
+
+    Example:
+
+    >>> from keras_mgpu import compat
+    >>> compat.enable_multi_worker_fit() == compat.multi_worker_fit_needs_fix()
+    True
+    """
+    global _multi_worker_fit_enabled
+    if not multi_worker_fit_needs_fix():
+        return False
+    with _lock:
+        if _multi_worker_fit_enabled:
+            return True
+        from keras.src.backend.tensorflow import trainer as tf_trainer
+
+        original_reduce = tf_trainer.reduce_per_replica
+        original_build = tf_trainer.TensorFlowTrainer._maybe_symbolic_build
+
+        def reduce_per_replica(values, strategy, reduction):
+            if reduction not in ("auto", "mean", "sum") or not (
+                tf_trainer._collective_all_reduce_multi_worker(strategy)
+            ):
+                return original_reduce(values, strategy, reduction)
+            op = "SUM" if reduction == "sum" else "MEAN"
+
+            def reduce(v):
+                local = (
+                    strategy.experimental_local_results(v)[0]
+                    if tf_trainer._is_per_replica_instance(v)
+                    else v
+                )
+                axis = None if local.shape.rank == 0 else 0
+                return strategy.reduce(op, v, axis=axis)
+
+            return tf_trainer.tree.map_structure(reduce, values)
+
+        def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+            strategy = self._distribute_strategy
+            if (
+                strategy is None
+                or iterator is None
+                or not tf_trainer._collective_all_reduce_multi_worker(strategy)
+            ):
+                return original_build(self, iterator, data_batch)
+            for _, _, it in iterator:
+                batch = next(it)
+                data_batch = tf_trainer.tree.map_structure(
+                    lambda v: strategy.experimental_local_results(v)[0]
+                    if tf_trainer._is_per_replica_instance(v)
+                    else v,
+                    batch,
+                )
+                break
+            with strategy.scope():
+                self._symbolic_build(data_batch=data_batch)
+
+        tf_trainer.reduce_per_replica = reduce_per_replica
+        tf_trainer.TensorFlowTrainer._maybe_symbolic_build = (
+            _maybe_symbolic_build
+        )
+        _multi_worker_fit_enabled = True
+    return True

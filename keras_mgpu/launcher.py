@@ -1,0 +1,291 @@
+"""Runs a program as a local multi-worker cluster: one process per worker.
+
+Each process gets a `TF_CONFIG` naming every worker on a free localhost port,
+so `keras_mgpu.auto_strategy()` returns a `MultiWorkerMirroredStrategy` in it.
+Every wait has a timeout, every child is killed when anything fails, and a
+failing worker's stderr is part of the error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
+
+from keras_mgpu.strategy import make_tf_config
+
+RESULT_ENV = "KERAS_MGPU_RESULT"
+
+Target = Union[str, Callable[..., Any]]
+
+
+@dataclasses.dataclass
+class WorkerResult:
+    """What one worker process left behind.
+
+    Args:
+        index: The worker's rank.
+        returncode: Its exit status (negative: killed by that signal).
+        result: The JSON value it reported, or `None`.
+        stdout: Everything it printed.
+        stderr: Everything it printed to stderr.
+        killed: Whether the launcher killed it on request.
+    """
+
+    index: int
+    returncode: Optional[int]
+    result: Any
+    stdout: str
+    stderr: str
+    killed: bool = False
+
+
+class WorkerError(RuntimeError):
+    """A worker failed or the cluster timed out; the message holds stderr."""
+
+    def __init__(self, message: str, results: Sequence[WorkerResult]):
+        super().__init__(message)
+        self.results = list(results)
+
+
+def free_ports(n: int) -> list:
+    """Returns `n` distinct TCP ports that are free on localhost right now."""
+    sockets = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("localhost", 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def _command(target: Target, kwargs: Mapping[str, Any], args: Sequence[str]):
+    if callable(target):
+        module = target.__module__
+        if module == "__main__":
+            raise ValueError(
+                f"Cannot run {target!r} in a worker: it is defined in "
+                "__main__. Move it into an importable module, or pass the "
+                "path of a script."
+            )
+        target = f"{module}:{target.__qualname__}"
+    if not isinstance(target, str):
+        raise TypeError(
+            f"target must be a script path, a 'module:function' string or a "
+            f"module-level function, got {target!r}."
+        )
+    if target.endswith(".py"):
+        if not os.path.isfile(target):
+            raise FileNotFoundError(f"No script at {target!r}.")
+        return [sys.executable, target, *args]
+    if ":" not in target:
+        raise ValueError(
+            f"target {target!r} is neither a '.py' script nor a "
+            "'module:function' string."
+        )
+    return [sys.executable, "-c", _BOOTSTRAP, target, json.dumps(dict(kwargs))]
+
+
+def _tail(text: str, lines: int = 60) -> str:
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def run_local_workers(
+    target: Target,
+    num_workers: int = 2,
+    *,
+    kwargs: Optional[Mapping[str, Any]] = None,
+    args: Sequence[str] = (),
+    timeout: float = 300.0,
+    env: Union[None, Mapping[str, str], Callable[[int], Mapping[str, str]]] = None,
+    cwd: Optional[str] = None,
+    kill_when_printed: Optional[str] = None,
+    kill_workers: Optional[Sequence[int]] = None,
+    kill_signal: int = signal.SIGKILL,
+    check: bool = True,
+) -> list:
+    """Runs `target` as `num_workers` local worker processes and waits.
+
+    Args:
+        target: A script path (`"train.py"`), a `"module:function"` string, or
+            a module-level function. A function is called with `kwargs` and
+            its JSON-serialisable return value becomes the worker's `result`.
+            A script may write JSON to the file named by the
+            `KERAS_MGPU_RESULT` environment variable.
+        num_workers: Defaults to 2.
+        kwargs: Defaults to `None`. Keyword arguments for a function target.
+        args: Defaults to `()`. Command-line arguments for a script target.
+        timeout: Defaults to 300. Seconds for the whole cluster; past it,
+            every worker is killed and `WorkerError` is raised.
+        env: Defaults to `None`. Extra environment, or a function of the
+            worker index returning it (e.g. for `CUDA_VISIBLE_DEVICES`).
+        cwd: Defaults to `None`, the current directory.
+        kill_when_printed: Defaults to `None`. When any worker prints a line
+            containing this text to stdout, send `kill_signal` to the workers
+            in `kill_workers`: a simulated crash or preemption.
+        kill_workers: Defaults to `None`, all workers.
+        kill_signal: Defaults to `signal.SIGKILL`.
+        check: Defaults to `True`: raise `WorkerError` if a worker that was
+            not killed on request exits non-zero.
+
+    Returns:
+        One `WorkerResult` per worker, in rank order.
+
+    Example:
+
+    >>> results = run_local_workers("train.py", 2, timeout=120)  # doctest: +SKIP
+    >>> [r.returncode for r in results]  # doctest: +SKIP
+    [0, 0]
+    """
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or (
+        num_workers < 1
+    ):
+        raise ValueError(
+            f"num_workers must be a positive integer, got {num_workers!r}."
+        )
+    command = _command(target, kwargs or {}, args)
+    addresses = [f"localhost:{p}" for p in free_ports(num_workers)]
+    to_kill = set(range(num_workers) if kill_workers is None else kill_workers)
+    workdir = tempfile.mkdtemp(prefix="keras_mgpu_workers_")
+    procs, files = [], []
+    python_path = os.pathsep.join(
+        [p for p in sys.path if p] + [os.environ.get("PYTHONPATH", "")]
+    )
+    try:
+        for i in range(num_workers):
+            child_env = dict(os.environ)
+            child_env.update(
+                TF_CONFIG=make_tf_config(addresses, i),
+                PYTHONPATH=python_path,
+                PYTHONUNBUFFERED="1",
+            )
+            child_env[RESULT_ENV] = os.path.join(workdir, f"result{i}.json")
+            extra = env(i) if callable(env) else env
+            child_env.update(extra or {})
+            out = open(os.path.join(workdir, f"stdout{i}"), "w+")
+            err = open(os.path.join(workdir, f"stderr{i}"), "w+")
+            files.append((out, err))
+            procs.append(
+                subprocess.Popen(
+                    command, env=child_env, cwd=cwd, stdout=out, stderr=err,
+                    start_new_session=True,
+                )
+            )
+        killed = _wait(procs, files, timeout, kill_when_printed, to_kill,
+                       kill_signal)
+        results = _collect(procs, files, workdir, killed)
+    except BaseException:
+        _kill_all(procs)
+        results = _collect(procs, files, workdir, set())
+        raise
+    finally:
+        _kill_all(procs)
+        for out, err in files:
+            out.close()
+            err.close()
+    if check:
+        failed = [r for r in results if r.returncode != 0 and not r.killed]
+        if failed:
+            raise WorkerError(_describe(failed, "failed"), results)
+    return results
+
+
+def _wait(procs, files, timeout, marker, to_kill, kill_signal):
+    deadline = time.monotonic() + timeout
+    killed = set()
+    while True:
+        codes = [p.poll() for p in procs]
+        if all(c is not None for c in codes):
+            return killed
+        if any(c not in (None, 0) for i, c in enumerate(codes)
+               if i not in killed):
+            # One worker died: the others would wait for it in a collective
+            # until the timeout, so stop them now.
+            time.sleep(2.0)
+            _kill_all(procs)
+            return killed
+        if marker is not None and not killed:
+            if any(marker in _read(out) for out, _ in files):
+                for i in to_kill:
+                    if procs[i].poll() is None:
+                        os.killpg(procs[i].pid, kill_signal)
+                killed = set(to_kill)
+        if time.monotonic() > deadline:
+            _kill_all(procs)
+            results = _collect(procs, files, None, killed)
+            raise WorkerError(
+                _describe(results, f"timed out after {timeout:.0f}s"), results
+            )
+        time.sleep(0.1)
+
+
+def _read(f) -> str:
+    f.flush()
+    with open(f.name) as again:
+        return again.read()
+
+
+def _kill_all(procs) -> None:
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for p in procs:
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _collect(procs, files, workdir, killed):
+    results = []
+    for i, (p, (out, err)) in enumerate(zip(procs, files)):
+        result = None
+        path = workdir and os.path.join(workdir, f"result{i}.json")
+        if path and os.path.exists(path):
+            with open(path) as f:
+                result = json.load(f)
+        results.append(
+            WorkerResult(i, p.poll(), result, _read(out), _read(err),
+                         i in killed)
+        )
+    return results
+
+
+def _describe(results, what: str) -> str:
+    parts = [f"Local cluster {what}."]
+    for r in results:
+        parts.append(
+            f"--- worker {r.index} (exit {r.returncode}) stderr tail:\n"
+            f"{_tail(r.stderr)}"
+        )
+    return "\n".join(parts)
+
+
+# Runs in the worker: imports only the target's module (not keras_mgpu, so a
+# worker starts fast), calls it, and commits its JSON result atomically.
+_BOOTSTRAP = """
+import importlib, json, os, sys
+module_name, _, qualname = sys.argv[1].partition(":")
+fn = importlib.import_module(module_name)
+for part in qualname.split("."):
+    fn = getattr(fn, part)
+result = fn(**json.loads(sys.argv[2]))
+path = os.environ.get("%s")
+if path:
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(path + ".tmp", path)
+""" % RESULT_ENV

@@ -1,0 +1,108 @@
+"""Keras 3 `fit` under MultiWorkerMirroredStrategy (keras-team/keras#20585)."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from keras_mgpu import compat, launcher
+from tests import workers
+from tests.conftest import mirrored
+
+
+def assert_weights_close(a, b, atol):
+    assert len(a) == len(b)
+    for wa, wb in zip(a, b):
+        np.testing.assert_allclose(np.asarray(wa), np.asarray(wb), atol=atol,
+                                   rtol=0)
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_multi_worker_fit_matches_mirrored_and_single_device(
+        run_workers, optimizer):
+    # Same global batch (32) and data order: 2 workers x 1 replica x 16,
+    # 2 logical CPUs x 16, and one device x 32.
+    multi = run_workers(workers.multi_worker_fit,
+                        kwargs={"optimizer": optimizer})
+    mirrored2 = workers.fit_small_model(mirrored(2), optimizer=optimizer)
+    single = workers.fit_small_model(mirrored(1), optimizer=optimizer)
+
+    assert [r.result["multi_worker"] for r in multi] == [True, True]
+    assert [r.result["replicas"] for r in multi] == [2, 2]
+    assert [r.result["is_chief"] for r in multi] == [True, False]
+    # Four steps per epoch, three epochs, in every setting.
+    for result in (multi[0].result, multi[1].result, mirrored2, single):
+        assert result["iterations"] == 12
+    start = workers.initial_weights(workers.build_mlp())
+    assert np.abs(np.asarray(single["weights"][0]) - start[0]).max() > 1e-2
+
+    assert_weights_close(multi[0].result["weights"], multi[1].result["weights"],
+                         atol=0)
+    assert_weights_close(multi[0].result["weights"], single["weights"], 1e-5)
+    assert_weights_close(mirrored2["weights"], single["weights"], 1e-5)
+    np.testing.assert_allclose(multi[0].result["loss"], single["loss"],
+                               rtol=1e-5)
+    for key, value in single["evaluation"].items():
+        assert multi[0].result["evaluation"][key] == pytest.approx(value,
+                                                                   rel=1e-5)
+    np.testing.assert_allclose(multi[0].result["predictions"],
+                               single["predictions"], atol=1e-5)
+
+
+def test_stock_keras_multi_worker_fit_still_needs_the_workaround(run_workers):
+    """Fails on the Keras versions the workaround is gated on, passes after.
+
+    When a Keras release fixes keras-team/keras#20585, this test fails on
+    it while the gate still covers it: narrow `MULTI_WORKER_FIT_BROKEN`.
+    """
+    if compat.multi_worker_fit_needs_fix():
+        with pytest.raises(launcher.WorkerError) as info:
+            run_workers(workers.stock_multi_worker_fit)
+        assert "PerReplica" in str(info.value)
+    else:
+        results = run_workers(workers.stock_multi_worker_fit)
+        assert all(r.returncode == 0 for r in results)
+
+
+def test_version_gate():
+    from packaging.version import Version
+
+    assert compat.multi_worker_fit_needs_fix(Version("3.15.1"))
+    assert compat.multi_worker_fit_needs_fix(Version("3.0.0"))
+    assert not compat.multi_worker_fit_needs_fix(Version("3.16.0"))
+    assert not compat.multi_worker_fit_needs_fix(Version("2.15.0"))
+
+
+def test_import_does_not_patch_keras_or_load_optional_packages():
+    code = """
+import sys
+import keras_mgpu
+from keras.src.backend.tensorflow import trainer
+from keras_mgpu import compat
+print("PATCHED_ON_IMPORT", compat.multi_worker_fit_enabled(),
+      trainer.reduce_per_replica.__module__)
+optional = ["keras_tuner", "wandb", "xprof", "tensorboard_plugin_profile"]
+print("OPTIONAL", [m for m in optional if m in sys.modules])
+print("ENABLE", compat.enable_multi_worker_fit(), compat.enable_multi_worker_fit(),
+      trainer.reduce_per_replica.__module__)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert ("PATCHED_ON_IMPORT False keras.src.backend.tensorflow.trainer"
+            in proc.stdout)
+    assert "OPTIONAL []" in proc.stdout
+    expected = "True True keras_mgpu.compat" if compat.multi_worker_fit_needs_fix() \
+        else "False False keras.src.backend.tensorflow.trainer"
+    assert f"ENABLE {expected}" in proc.stdout
+
+
+def test_other_keras_backend_is_refused_with_a_clear_error():
+    proc = subprocess.run(
+        [sys.executable, "-c", "import keras_mgpu"], capture_output=True,
+        text=True, timeout=120,
+        env={**__import__("os").environ, "KERAS_BACKEND": "numpy"})
+    assert proc.returncode != 0
+    assert "active backend is 'numpy'" in proc.stderr
+    assert "Set KERAS_BACKEND=tensorflow" in proc.stderr

@@ -1,0 +1,115 @@
+"""Training programs shared by in-process tests and worker processes.
+
+A worker-process entry point creates its strategy first, before any other
+TensorFlow call, as MultiWorkerMirroredStrategy requires.
+"""
+
+import numpy as np
+
+NUM_SAMPLES = 128
+FEATURES = 8
+
+
+def regression_data(num_samples=NUM_SAMPLES, seed=0):
+    rng = np.random.RandomState(seed)
+    x = rng.randn(num_samples, FEATURES).astype("float32")
+    w = rng.randn(FEATURES, 1).astype("float32")
+    y = (np.tanh(x @ w) + 0.1 * rng.randn(num_samples, 1)).astype("float32")
+    return x, y
+
+
+def initial_weights(model, seed=1):
+    """Deterministic weights, independent of strategy and creation order."""
+    rng = np.random.RandomState(seed)
+    return [0.3 * rng.randn(*w.shape).astype("float32")
+            for w in model.get_weights()]
+
+
+def build_mlp():
+    import keras
+
+    model = keras.Sequential([
+        keras.Input((FEATURES,)),
+        keras.layers.Dense(16, activation="tanh"),
+        keras.layers.Dense(1),
+    ])
+    model.set_weights(initial_weights(model))
+    return model
+
+
+def fit_small_model(strategy, global_batch=32, epochs=3, optimizer="adam"):
+    """Trains `build_mlp` on `regression_data`; returns weights and history."""
+    import keras
+    import tensorflow as tf
+
+    x, y = regression_data()
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch)
+    with strategy.scope():
+        model = build_mlp()
+        opt = {"adam": lambda: keras.optimizers.Adam(0.01),
+               "sgd": lambda: keras.optimizers.SGD(0.1, momentum=0.9)}
+        model.compile(opt[optimizer](), "mse", metrics=["mae"])
+    history = model.fit(dataset, epochs=epochs, verbose=0, shuffle=False)
+    evaluation = model.evaluate(dataset, verbose=0, return_dict=True)
+    predictions = model.predict(dataset, verbose=0)
+    return {
+        "weights": [w.tolist() for w in model.get_weights()],
+        "loss": history.history["loss"],
+        "evaluation": {k: float(v) for k, v in evaluation.items()},
+        "predictions": predictions.tolist(),
+        "iterations": int(model.optimizer.iterations.numpy()),
+    }
+
+
+def multi_worker_fit(**kwargs):
+    """Worker entry point: `fit_small_model` under auto_strategy()."""
+    import keras_mgpu
+
+    strategy = keras_mgpu.auto_strategy()
+    result = fit_small_model(strategy, **kwargs)
+    import tensorflow as tf
+
+    result["multi_worker"] = isinstance(
+        strategy, tf.distribute.MultiWorkerMirroredStrategy)
+    result["replicas"] = strategy.num_replicas_in_sync
+    result["is_chief"] = keras_mgpu.is_chief()
+    result["worker_index"] = keras_mgpu.worker_index()
+    return result
+
+
+def stock_multi_worker_fit():
+    """Worker entry point: plain Keras under MultiWorkerMirroredStrategy."""
+    import tensorflow as tf
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    return fit_small_model(strategy, epochs=1)
+
+
+def echo(value):
+    """Worker entry point: reports its cluster position and `value`."""
+    import keras_mgpu.strategy as s
+
+    info = s.cluster_info()
+    return {"value": value, "worker_index": info.worker_index,
+            "is_chief": info.is_chief, "num_workers": info.num_workers}
+
+
+def fail(message):
+    """Worker entry point: fails on worker 1 only."""
+    import sys
+
+    from keras_mgpu.strategy import worker_index
+
+    if worker_index() == 1:
+        print(message, file=sys.stderr)
+        raise SystemExit(3)
+    return "ok"
+
+
+def print_then_sleep(marker, seconds):
+    """Worker entry point: prints `marker`, then sleeps `seconds`."""
+    import time
+
+    print(marker, flush=True)
+    time.sleep(seconds)
+    return "finished"
