@@ -6,13 +6,19 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
 import keras  # noqa: E402
 
-if keras.backend.backend() != "tensorflow":
-    raise ImportError(
-        f"keras-mgpu needs Keras's TensorFlow backend, but the active backend "
-        f"is {keras.backend.backend()!r} (KERAS_BACKEND="
-        f"{os.environ.get('KERAS_BACKEND')!r}). Set KERAS_BACKEND=tensorflow "
-        "before importing keras or keras_mgpu."
-    )
+
+
+def _check_backend(active: str) -> None:
+    if active != "tensorflow":
+        raise ImportError(
+            f"keras-mgpu needs Keras's TensorFlow backend, but the active "
+            f"backend is {active!r} (KERAS_BACKEND="
+            f"{os.environ.get('KERAS_BACKEND')!r}). Set "
+            "KERAS_BACKEND=tensorflow before importing keras or keras_mgpu."
+        )
+
+
+_check_backend(keras.backend.backend())
 
 from keras_mgpu import compat  # noqa: E402,F401
 from keras_mgpu import strategy  # noqa: E402,F401
