@@ -22,6 +22,7 @@ _check_backend(keras.backend.backend())
 
 from keras_mgpu import compat  # noqa: E402,F401
 from keras_mgpu import strategy  # noqa: E402,F401
+from keras_mgpu.accumulation import GradientAccumulationModel  # noqa: E402,F401
 from keras_mgpu.strategy import auto_strategy  # noqa: E402,F401
 from keras_mgpu.strategy import global_batch_size  # noqa: E402,F401
 from keras_mgpu.strategy import is_chief  # noqa: E402,F401

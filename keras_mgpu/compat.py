@@ -7,6 +7,7 @@ release no longer needs it.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import keras
@@ -112,3 +113,66 @@ def enable_multi_worker_fit() -> bool:
         )
         _multi_worker_fit_enabled = True
     return True
+
+
+# --- Gradient accumulation (keras_mgpu.accumulation) -------------------------
+# Written for Keras 3.x's TensorFlow trainer and optimizers (checked on 3.15):
+# the train-step building blocks below are the ones Keras's own
+# `TensorFlowTrainer.train_step` uses, and the optimizer hooks are the
+# replica-context all-reduce and the LossScaleOptimizer's two outcomes.
+ACCUMULATION_WRITTEN_FOR = (Version("3.0.0"), Version("4.0.0.dev0"))
+
+
+def check_accumulation_support(version: Version = KERAS_VERSION) -> None:
+    """Raises if this Keras is outside the versions accumulation was written for."""
+    low, high = ACCUMULATION_WRITTEN_FOR
+    if not low <= version < high:
+        raise RuntimeError(
+            f"keras_mgpu.GradientAccumulationModel was written for Keras "
+            f">={low},<{high}, but Keras {version} is installed. Install a "
+            "supported Keras or a newer keras-mgpu."
+        )
+
+
+def compute_loss(model, x, y, y_pred, sample_weight):
+    """The training loss as Keras computes it, scaled for distribution."""
+    return model._compute_loss(
+        x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
+    )
+
+
+def track_loss(model, loss, batch_size) -> None:
+    """Feeds `loss` to the model's `loss` metric, as Keras's train_step does."""
+    from keras.src.losses import loss as loss_module
+
+    model._loss_tracker.update_state(
+        loss_module.unscale_loss_for_distribution(loss),
+        sample_weight=batch_size,
+    )
+
+
+@contextlib.contextmanager
+def gradients_already_reduced(optimizer):
+    """Stops `optimizer.apply` from all-reducing gradients in replica context.
+
+    Keras's TF optimizer sums gradients across replicas inside `apply`. The
+    accumulation wrapper has already reduced them (once, for the whole
+    window), so inside this block `apply` clips, decays and updates only.
+    Takes effect while tracing, which is when the all-reduce would be built.
+    """
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    inner._all_reduce_sum_gradients = list
+    try:
+        yield
+    finally:
+        del inner._all_reduce_sum_gradients
+
+
+def loss_scale_apply(optimizer, grads, trainable_variables) -> None:
+    """LossScaleOptimizer's finite-gradient branch: unscale, apply, grow scale."""
+    optimizer._stateful_handle_finite_grads(grads, trainable_variables)
+
+
+def loss_scale_skip(optimizer) -> None:
+    """LossScaleOptimizer's non-finite branch: halve the scale, skip the step."""
+    optimizer._stateful_handle_non_finite_grads()

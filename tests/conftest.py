@@ -20,11 +20,24 @@ MAX_LOGICAL_CPUS = 4
 LOGICAL_CPUS = strategy_lib.configure_virtual_cpus(MAX_LOGICAL_CPUS)
 
 
+_STRATEGIES = {}
+
+
 def mirrored(n: int) -> tf.distribute.Strategy:
-    """A MirroredStrategy over the first `n` logical CPUs (1: default strategy)."""
+    """A MirroredStrategy over the first `n` logical CPUs (1: default strategy).
+
+    One strategy per size for the whole session: each MirroredStrategy numbers
+    its collective groups from the same base, so two live strategies over
+    different device sets would collide in TensorFlow's collective executor.
+    Each size gets its own base (the knob TensorFlow's own tests use).
+    """
     if n == 1:
         return tf.distribute.get_strategy()
-    return tf.distribute.MirroredStrategy(LOGICAL_CPUS[:n])
+    if n not in _STRATEGIES:
+        cls = type(f"MirroredStrategy{n}", (tf.distribute.MirroredStrategy,),
+                   {"_collective_key_base": 1000 * n})
+        _STRATEGIES[n] = cls(LOGICAL_CPUS[:n])
+    return _STRATEGIES[n]
 
 
 @pytest.fixture(params=[2, 4], ids=lambda n: f"{n}cpus")

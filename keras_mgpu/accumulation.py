@@ -1,0 +1,368 @@
+"""`GradientAccumulationModel`: one optimizer step per N micro-batches."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Optional
+
+import keras
+import tensorflow as tf
+
+from keras_mgpu import compat
+
+PARTIAL_WINDOW_MODES = ("apply", "carry", "drop")
+
+
+@keras.saving.register_keras_serializable(package="keras_mgpu")
+class GradientAccumulationModel(keras.Model):
+    """Wraps a model so that `fit` takes one optimizer step per N micro-batches.
+
+    Each optimizer step applies the gradient of the mean loss over every
+    sample of the window's `accum_steps` micro-batches on every replica,
+    exactly as one step on the concatenated big batch would: micro-batches are
+    weighted by their real sample count (so sample weights and short
+    micro-batches come out right), clipping (`clipnorm`, `clipvalue`,
+    `global_clipnorm`) acts once on the accumulated, all-reduced gradient,
+    and `optimizer.iterations`, learning-rate schedules and optimizer moments
+    advance once per optimizer step.
+
+    Under `MirroredStrategy` and `MultiWorkerMirroredStrategy`, each replica
+    accumulates its own gradients locally; the window's last micro-batch does
+    exactly one cross-replica all-reduce (gradients and sample counts in one
+    batch), then one optimizer update. The other micro-batches communicate
+    nothing.
+
+    Under `mixed_float16` (a `LossScaleOptimizer`), the finite check is made
+    on the all-reduced window gradient, so every replica agrees; a window with
+    an overflow is dropped whole, its accumulators are reset, and the loss
+    scale is updated once per window. `mixed_bfloat16` needs no loss scale.
+
+    The accumulators, the sample count and the micro-step counter are
+    variables of this model, so `save_weights`, `model.save` and checkpoints
+    carry a half-finished window.
+
+    BatchNormalization sees each micro-batch, not the big batch: its batch
+    statistics and moving averages are per micro-batch, as in plain `fit` at
+    the micro-batch size. `BatchNormalization(synchronized=True)` computes
+    them over all replicas' micro-batches.
+
+    The loss is assumed to be a mean over samples (Keras's default
+    `"sum_over_batch_size"` reduction).
+
+    Args:
+        model: The Keras model to train (Sequential, Functional or
+            subclassed, built or not). Compile the wrapper, not this model.
+            It stays reachable as `.inner` for export without the wrapper.
+        accum_steps: Defaults to 4. Micro-batches per optimizer step, a
+            positive integer. 1 behaves like plain `fit`.
+        partial_window: Defaults to `"apply"`. What happens to a window that
+            the end of an epoch cuts short:
+            `"apply"`: apply it, weighted by its real sample count (10
+            micro-batches with `accum_steps=4` give 3 updates, the last
+            averaging 2 micro-batches);
+            `"carry"`: keep accumulating into the next epoch (and the next
+            `fit` call);
+            `"drop"`: discard it.
+        **kwargs: Passed to `keras.Model` (e.g. `name`).
+
+    Logs: `fit` adds `grad_norm` (global norm of the gradient of the last
+    applied step, before clipping) and `accum_step` (micro-batches in the
+    current window after this batch; 0 right after an update).
+
+    Example:
+
+    >>> import numpy as np, keras, keras_mgpu
+    >>> inner = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    >>> model = keras_mgpu.GradientAccumulationModel(inner, accum_steps=4)
+    >>> model.compile(optimizer="sgd", loss="mse")
+    >>> x, y = np.ones((64, 4)), np.ones((64, 1))
+    >>> _ = model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    >>> int(model.optimizer.iterations.numpy())  # 8 micro-batches / 4
+    2
+    """
+
+    def __init__(
+        self,
+        model: keras.Model,
+        accum_steps: int = 4,
+        partial_window: str = "apply",
+        **kwargs,
+    ):
+        compat.check_accumulation_support()
+        _validate(model, accum_steps, partial_window)
+        super().__init__(**kwargs)
+        self.inner = model
+        self.accum_steps = accum_steps
+        self.partial_window = partial_window
+        self._accumulators = None
+        model._keras_mgpu_wrapper = weakref.ref(self)
+        if isinstance(
+            tf.distribute.get_strategy(), tf.distribute.MultiWorkerMirroredStrategy
+        ):
+            compat.enable_multi_worker_fit()
+        if model.built:
+            self._create_state()
+            self.built = True
+
+    # --- Keras plumbing -----------------------------------------------------
+
+    def build(self, input_shape):
+        if not self.inner.built:
+            self.inner.build(input_shape)
+        self._create_state()
+        self.built = True
+
+    def call(self, inputs, training=None):
+        return self.inner(inputs, training=training)
+
+    def compile(self, optimizer="rmsprop", *args, **kwargs):
+        _check_inner_not_compiled(self.inner)
+        optimizer = keras.optimizers.get(optimizer)
+        inner_opt = getattr(optimizer, "inner_optimizer", optimizer)
+        if inner_opt.gradient_accumulation_steps:
+            raise ValueError(
+                f"The optimizer sets gradient_accumulation_steps="
+                f"{inner_opt.gradient_accumulation_steps}, and "
+                f"GradientAccumulationModel already accumulates "
+                f"(accum_steps={self.accum_steps}). Remove "
+                "gradient_accumulation_steps from the optimizer."
+            )
+        super().compile(optimizer, *args, **kwargs)
+
+    def fit(self, *args, callbacks=None, **kwargs):
+        _check_inner_not_compiled(self.inner)
+        callbacks = [_WindowEnd(self)] + list(callbacks or [])
+        return super().fit(*args, callbacks=callbacks, **kwargs)
+
+    def get_config(self):
+        return {
+            **super().get_config(),
+            "model": keras.saving.serialize_keras_object(self.inner),
+            "accum_steps": self.accum_steps,
+            "partial_window": self.partial_window,
+        }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        config["model"] = keras.saving.deserialize_keras_object(
+            config["model"], custom_objects=custom_objects
+        )
+        return cls(**config)
+
+    # --- State --------------------------------------------------------------
+
+    def _create_state(self):
+        if self._accumulators is not None:
+            return
+        # Ids, not the variables: a list of variables here would be tracked
+        # as this model's own weights a second time.
+        self._accumulated_ids = tuple(
+            id(v) for v in self.inner.trainable_variables
+        )
+        # Replica-local sums: SUM on read, so reading (or saving) gives the
+        # total over replicas, and writing a value back divides it among them.
+        local = dict(
+            trainable=False, synchronization="on_read", aggregation="sum"
+        )
+        self._accumulators = [
+            keras.Variable(
+                "zeros", shape=v.shape, dtype=_accumulator_dtype(v.dtype),
+                name=f"accumulator_{i}", **local,
+            )
+            for i, v in enumerate(self.inner.trainable_variables)
+        ]
+        self._sample_count = keras.Variable(
+            0.0, dtype="float32", name="accumulated_samples", **local
+        )
+        self._micro_step = keras.Variable(
+            0, dtype="int64", trainable=False, name="micro_step"
+        )
+        self._grad_norm = keras.Variable(
+            0.0, dtype="float32", trainable=False, name="grad_norm"
+        )
+
+    @property
+    def micro_step(self) -> int:
+        """Micro-batches accumulated in the current window."""
+        return int(self._micro_step.numpy())
+
+    # --- Training -----------------------------------------------------------
+
+    def train_step(self, data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        batch_size = tf.shape(next(t for t in tf.nest.flatten(x)))[0]
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = compat.compute_loss(self, x, y, y_pred, sample_weight)
+            compat.track_loss(self, loss, batch_size)
+            scaled_loss = self.optimizer.scale_loss(loss)
+        variables = self.trainable_variables
+        if tuple(id(v) for v in variables) != self._accumulated_ids:
+            raise ValueError(
+                "The trainable variables of the wrapped model changed after "
+                "GradientAccumulationModel created its accumulators (e.g. a "
+                "layer's `trainable` flag was flipped). Set `trainable` "
+                "before wrapping the model, then wrap and compile again."
+            )
+        grads = tape.gradient(scaled_loss, variables)
+        weight = tf.cast(batch_size, tf.float32)
+        for accumulator, grad in zip(self._accumulators, grads):
+            if grad is not None:
+                accumulator.assign_add(
+                    tf.cast(tf.convert_to_tensor(grad), accumulator.dtype)
+                    * weight
+                )
+        self._sample_count.assign_add(weight)
+        tf.distribute.get_replica_context().merge_call(self._end_micro_step)
+        logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        logs["grad_norm"] = tf.identity(self._grad_norm.value)
+        logs["accum_step"] = tf.identity(self._micro_step.value)
+        return logs
+
+    def _end_micro_step(self, strategy):
+        """Cross-replica: count the micro-batch; on the window's last, apply."""
+        self._micro_step.assign_add(1)
+        tf.cond(
+            self._micro_step.value >= self.accum_steps,
+            lambda: self._apply_window(strategy),
+            lambda: None,
+        )
+
+    def _apply_window(self, strategy):
+        """Cross-replica: one all-reduce, then one optimizer update."""
+        num_replicas = strategy.num_replicas_in_sync
+        variables = self.trainable_variables
+
+        def all_reduce():
+            total = tf.distribute.get_replica_context().all_reduce(
+                tf.distribute.ReduceOp.SUM,
+                [a.value for a in self._accumulators]
+                + [self._sample_count.value],
+            )
+            # Each replica's loss was divided by `num_replicas` (Keras's
+            # scaling for SUM all-reduce); undo it to average over samples.
+            scale = num_replicas / tf.maximum(total[-1], 1.0)
+            return [
+                tf.cast(g * scale, v.dtype)
+                for g, v in zip(total[:-1], variables)
+            ]
+
+        grads = strategy.extended.call_for_each_replica(all_reduce)
+        first = [strategy.experimental_local_results(g)[0] for g in grads]
+        optimizer = self.optimizer
+        loss_scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+        loss_scale = optimizer.dynamic_scale if loss_scaled else 1.0
+        norm = tf.linalg.global_norm(
+            [tf.cast(g, tf.float32) for g in first]
+        ) / tf.cast(loss_scale, tf.float32)
+
+        with compat.gradients_already_reduced(optimizer):
+            if loss_scaled:
+                # Every replica holds the same all-reduced gradient, so the
+                # first replica's finite check is the agreed one.
+                finite = tf.reduce_all(
+                    [tf.reduce_all(tf.math.is_finite(g)) for g in first]
+                )
+                tf.cond(
+                    finite,
+                    lambda: strategy.extended.call_for_each_replica(
+                        compat.loss_scale_apply,
+                        args=(optimizer, grads, variables),
+                    ),
+                    lambda: compat.loss_scale_skip(optimizer),
+                )
+            else:
+                strategy.extended.call_for_each_replica(
+                    lambda g: optimizer.apply(g, variables), args=(grads,)
+                )
+        self._grad_norm.assign(norm)
+        self._reset_window()
+
+    def _reset_window(self):
+        for accumulator in self._accumulators:
+            accumulator.assign(tf.zeros_like(accumulator.value))
+        self._sample_count.assign(0.0)
+        self._micro_step.assign(0)
+
+    def _finish_epoch(self):
+        """Handles a window cut short by the end of an epoch."""
+        if self.partial_window == "carry" or self.micro_step == 0:
+            return
+        if self._epoch_end_function is None:
+            strategy = self.distribute_strategy
+
+            @tf.function
+            def epoch_end():
+                if self.partial_window == "apply":
+                    self._apply_window(strategy)
+                else:
+                    self._reset_window()
+
+            self._epoch_end_function = epoch_end
+        with self.distribute_strategy.scope():
+            self._epoch_end_function()
+
+    _epoch_end_function = None
+
+
+class _WindowEnd(keras.callbacks.Callback):
+    """Applies, carries or drops the partial window before anything else."""
+
+    def __init__(self, wrapper):
+        super().__init__()
+        self._wrapper = weakref.ref(wrapper)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._wrapper()._finish_epoch()
+
+
+def _accumulator_dtype(dtype) -> str:
+    dtype = keras.backend.standardize_dtype(dtype)
+    return "float32" if dtype in ("float16", "bfloat16") else dtype
+
+
+def _validate(model, accum_steps, partial_window) -> None:
+    if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or (
+        accum_steps < 1
+    ):
+        raise ValueError(
+            f"accum_steps must be a positive integer, got {accum_steps!r}. "
+            "Use 1 for no accumulation, N to apply one optimizer step per N "
+            "micro-batches."
+        )
+    if partial_window not in PARTIAL_WINDOW_MODES:
+        raise ValueError(
+            f"partial_window must be one of {PARTIAL_WINDOW_MODES}, got "
+            f"{partial_window!r}."
+        )
+    if isinstance(model, GradientAccumulationModel):
+        raise ValueError(
+            f"{model.name!r} is already a GradientAccumulationModel "
+            f"(accum_steps={model.accum_steps}); wrapping it again would "
+            "accumulate twice. Wrap the original model once, with "
+            f"accum_steps={model.accum_steps} * N."
+        )
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            f"GradientAccumulationModel wraps a keras.Model, got "
+            f"{type(model).__name__}."
+        )
+    owner = getattr(model, "_keras_mgpu_wrapper", None)
+    if owner is not None and owner() is not None:
+        raise ValueError(
+            f"Model {model.name!r} is already wrapped by the "
+            f"GradientAccumulationModel {owner().name!r}. Use that wrapper, "
+            "or rebuild the model to wrap it again."
+        )
+    _check_inner_not_compiled(model)
+
+
+def _check_inner_not_compiled(model) -> None:
+    if getattr(model, "optimizer", None) is not None:
+        raise ValueError(
+            f"The wrapped model {model.name!r} was compiled itself. Compile "
+            "the GradientAccumulationModel instead, e.g. "
+            "`wrapper.compile(optimizer=..., loss=...)`, and rebuild the "
+            "inner model without compiling it."
+        )
