@@ -108,7 +108,11 @@ class GradientAccumulationModel(keras.Model):
 
     def build(self, input_shape):
         if not self.inner.built:
-            self.inner.build(input_shape)
+            # A symbolic call builds every kind of model, including
+            # subclassed ones whose `build` creates nothing.
+            self.inner(
+                keras.tree.map_shape_structure(keras.KerasTensor, input_shape)
+            )
         self._create_state()
         self.built = True
 
@@ -131,6 +135,20 @@ class GradientAccumulationModel(keras.Model):
 
     def fit(self, *args, callbacks=None, **kwargs):
         _check_inner_not_compiled(self.inner)
+        if (
+            self.steps_per_execution > 1
+            and self.distribute_strategy.num_replicas_in_sync > 1
+        ):
+            raise ValueError(
+                f"steps_per_execution={self.steps_per_execution} does not work "
+                f"with {self.distribute_strategy.num_replicas_in_sync} "
+                "replicas: TensorFlow fails on a conditional cross-replica "
+                "update inside Keras's multi-step loop ('You must feed a value "
+                "for placeholder tensor .../while/cond/Placeholder'), as it "
+                "does for Keras's own LossScaleOptimizer. Compile with "
+                "steps_per_execution=1; accumulation already cuts the "
+                "optimizer and communication work per micro-batch."
+            )
         callbacks = [_WindowEnd(self)] + list(callbacks or [])
         return super().fit(*args, callbacks=callbacks, **kwargs)
 
@@ -172,14 +190,17 @@ class GradientAccumulationModel(keras.Model):
             )
             for i, v in enumerate(self.inner.trainable_variables)
         ]
+        # Initializers, not values: an unbuilt model is built inside Keras's
+        # stateless scope, where only deferred initialisation is allowed.
+        scalar = dict(initializer="zeros", shape=())
         self._sample_count = keras.Variable(
-            0.0, dtype="float32", name="accumulated_samples", **local
+            **scalar, dtype="float32", name="accumulated_samples", **local
         )
         self._micro_step = keras.Variable(
-            0, dtype="int64", trainable=False, name="micro_step"
+            **scalar, dtype="int64", trainable=False, name="micro_step"
         )
         self._grad_norm = keras.Variable(
-            0.0, dtype="float32", trainable=False, name="grad_norm"
+            **scalar, dtype="float32", trainable=False, name="grad_norm"
         )
 
     @property
@@ -206,6 +227,10 @@ class GradientAccumulationModel(keras.Model):
                 "before wrapping the model, then wrap and compile again."
             )
         grads = tape.gradient(scaled_loss, variables)
+        if not self.optimizer.built:
+            # Without a strategy scope Keras builds the optimizer lazily in
+            # `apply`; the window update needs its variables first.
+            self.optimizer.build(variables)
         weight = tf.cast(batch_size, tf.float32)
         for accumulator, grad in zip(self._accumulators, grads):
             if grad is not None:
@@ -235,10 +260,14 @@ class GradientAccumulationModel(keras.Model):
         variables = self.trainable_variables
 
         def all_reduce():
+            local = []
+            for variable in self._accumulators + [self._sample_count]:
+                # Placed reads: a multi-worker all-reduce sends its result to
+                # the devices of its inputs, and needs them named.
+                with tf.device(variable.value.device):
+                    local.append(tf.identity(variable.value))
             total = tf.distribute.get_replica_context().all_reduce(
-                tf.distribute.ReduceOp.SUM,
-                [a.value for a in self._accumulators]
-                + [self._sample_count.value],
+                tf.distribute.ReduceOp.SUM, local
             )
             # Each replica's loss was divided by `num_replicas` (Keras's
             # scaling for SUM all-reduce); undo it to average over samples.
@@ -312,6 +341,11 @@ class _WindowEnd(keras.callbacks.Callback):
     def __init__(self, wrapper):
         super().__init__()
         self._wrapper = weakref.ref(wrapper)
+
+    def on_test_begin(self, logs=None):
+        # `fit` runs validation with its own callback list, before
+        # `on_epoch_end`: validate the weights the epoch ends with.
+        self._wrapper()._finish_epoch()
 
     def on_epoch_end(self, epoch, logs=None):
         self._wrapper()._finish_epoch()

@@ -113,3 +113,29 @@ def print_then_sleep(marker, seconds):
     print(marker, flush=True)
     time.sleep(seconds)
     return "finished"
+
+
+def accumulation_run(strategy):
+    """GradientAccumulationModel(accum_steps=4) on 6 micro-batches x 3 epochs."""
+    import keras
+    import tensorflow as tf
+
+    from keras_mgpu import GradientAccumulationModel
+
+    x, y = regression_data(96)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    with strategy.scope():
+        model = GradientAccumulationModel(build_mlp(), accum_steps=4)
+        model.compile(keras.optimizers.Adam(0.01, global_clipnorm=0.2), "mse")
+    model.fit(dataset, epochs=3, verbose=0, shuffle=False)
+    return {
+        "weights": [w.numpy().tolist() for w in model.trainable_variables],
+        "iterations": int(model.optimizer.iterations.numpy()),
+    }
+
+
+def multi_worker_accumulation():
+    """Worker entry point: `accumulation_run` under auto_strategy()."""
+    import keras_mgpu
+
+    return accumulation_run(keras_mgpu.auto_strategy())

@@ -1,0 +1,444 @@
+"""GradientAccumulationModel: exactness, step counting, communication, options."""
+
+import numpy as np
+import pytest
+import keras
+import tensorflow as tf
+
+import keras_mgpu
+from keras_mgpu import GradientAccumulationModel
+from tests import workers
+from tests.conftest import mirrored
+
+OPTIMIZERS = {
+    "sgd_momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+    "adam": lambda: keras.optimizers.Adam(0.01),
+    "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1),
+    "adam_clipnorm": lambda: keras.optimizers.Adam(0.01, clipnorm=0.05),
+    "adam_global_clipnorm": lambda: keras.optimizers.Adam(
+        0.01, global_clipnorm=0.1),
+    "sgd_schedule": lambda: keras.optimizers.SGD(
+        keras.optimizers.schedules.PiecewiseConstantDecay([2, 4],
+                                                          [0.2, 0.05, 0.01])),
+}
+
+
+def weights_of(model):
+    return [v.numpy() for v in model.trainable_variables]
+
+
+def max_diff(a, b):
+    return max(float(np.abs(x - y).max()) for x, y in zip(a, b))
+
+
+def batches_dataset(batches):
+    """A dataset yielding exactly the given (x, y[, w]) batches, in order."""
+    dataset = None
+    for batch in batches:
+        one = tf.data.Dataset.from_tensors(tuple(batch))
+        dataset = one if dataset is None else dataset.concatenate(one)
+    return dataset
+
+
+def train(strategy, data, accum_steps=None, optimizer="adam", epochs=1,
+          partial_window="apply", **compile_kwargs):
+    """Fits `build_mlp` on `data` (a dataset of batches); returns the model."""
+    with strategy.scope():
+        inner = workers.build_mlp()
+        if accum_steps is None:
+            model = inner
+        else:
+            model = GradientAccumulationModel(
+                inner, accum_steps=accum_steps, partial_window=partial_window)
+        opt = OPTIMIZERS[optimizer]() if isinstance(optimizer, str) \
+            else optimizer
+        model.compile(opt, "mse", **compile_kwargs)
+    model.fit(data, epochs=epochs, verbose=0, shuffle=False)
+    return model
+
+
+def micro_batches(sizes, seed=0, weights=False):
+    x, y = workers.regression_data(sum(sizes), seed=seed)
+    rng = np.random.RandomState(seed + 7)
+    out, start = [], 0
+    for size in sizes:
+        batch = [x[start:start + size], y[start:start + size]]
+        if weights:
+            batch.append(rng.uniform(0.1, 3.0, size).astype("float32"))
+        out.append(batch)
+        start += size
+    return out
+
+
+def merge(batches):
+    """Concatenates micro-batches into one big batch."""
+    return [np.concatenate(parts) for parts in zip(*batches)]
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 4])
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_accumulated_step_equals_big_batch_step(optimizer, replicas):
+    micro = micro_batches([8] * 24)
+    big = [merge(micro[i:i + 4]) for i in range(0, 24, 4)]
+    reference = train(mirrored(1), batches_dataset(big), optimizer=optimizer)
+    model = train(mirrored(replicas), batches_dataset(micro), accum_steps=4,
+                  optimizer=optimizer)
+    assert int(model.optimizer.iterations.numpy()) == 6
+    assert int(reference.optimizer.iterations.numpy()) == 6
+    start = workers.initial_weights(workers.build_mlp())
+    assert max_diff(weights_of(reference), start) > 1e-2
+    assert max_diff(weights_of(model), weights_of(reference)) < 1e-5
+    np.testing.assert_allclose(
+        float(model.optimizer.learning_rate.numpy()),
+        float(reference.optimizer.learning_rate.numpy()))
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 4])
+def test_sample_weights_and_unequal_micro_batches(replicas):
+    sizes = [8, 6, 8, 5, 8, 8, 7, 4]
+    micro = micro_batches(sizes, weights=True)
+    big = [merge(micro[:4]), merge(micro[4:])]
+    reference = train(mirrored(1), batches_dataset(big),
+                      optimizer="sgd_momentum")
+    model = train(mirrored(replicas), batches_dataset(micro), accum_steps=4,
+                  optimizer="sgd_momentum")
+    assert int(model.optimizer.iterations.numpy()) == 2
+    assert max_diff(weights_of(model), weights_of(reference)) < 1e-5
+    # An unweighted average of micro-batch means would be measurably off.
+    naive = [[b[0], b[1], b[2] * len(sizes) * 8 / sum(sizes)] for b in micro]
+    wrong = train(mirrored(1), batches_dataset(naive), accum_steps=4,
+                  optimizer="sgd_momentum")
+    assert max_diff(weights_of(wrong), weights_of(reference)) > 1e-4
+
+
+@pytest.mark.parametrize("mode, reference_groups, updates", [
+    # 10 micro-batches of 8 per epoch, 2 epochs, accum_steps=4.
+    ("apply", [(0, 4), (4, 8), (8, 10)] * 2, 6),
+    ("drop", [(0, 4), (4, 8)] * 2, 4),
+    ("carry", None, 5),
+])
+def test_partial_window_at_epoch_end(mode, reference_groups, updates):
+    micro = micro_batches([8] * 10)
+    if mode == "carry":
+        # The window that epoch 1 leaves open continues into epoch 2.
+        stream = micro + micro
+        big = [merge(stream[i:i + 4]) for i in range(0, 20, 4)]
+    else:
+        big = [merge(micro[a:b]) for a, b in reference_groups]
+    reference = train(mirrored(1), batches_dataset(big),
+                      optimizer="sgd_momentum")
+    model = train(mirrored(2), batches_dataset(micro), accum_steps=4,
+                  partial_window=mode, epochs=2, optimizer="sgd_momentum")
+    assert int(model.optimizer.iterations.numpy()) == updates
+    assert int(reference.optimizer.iterations.numpy()) == updates
+    assert max_diff(weights_of(model), weights_of(reference)) < 1e-5
+    assert model.micro_step == 0
+
+
+def test_partial_window_is_applied_before_validation():
+    micro = micro_batches([8] * 6)
+    seen = {}
+
+    class Spy(keras.callbacks.Callback):
+        def on_test_begin(self, logs=None):
+            seen["iterations"] = int(self.model.optimizer.iterations.numpy())
+
+    with mirrored(2).scope():
+        model = GradientAccumulationModel(workers.build_mlp(), accum_steps=4)
+        model.compile("sgd", "mse")
+    model.fit(batches_dataset(micro), validation_data=batches_dataset(micro),
+              epochs=1, verbose=0, callbacks=[Spy()])
+    assert seen["iterations"] == 2
+
+
+def test_accum_steps_1_is_plain_fit():
+    micro = micro_batches([16] * 8)
+    for replicas in (1, 2):
+        plain = train(mirrored(replicas), batches_dataset(micro))
+        model = train(mirrored(replicas), batches_dataset(micro),
+                      accum_steps=1)
+        assert int(model.optimizer.iterations.numpy()) == 8
+        assert max_diff(weights_of(model), weights_of(plain)) < 1e-6
+        a = model.evaluate(batches_dataset(micro), verbose=0)
+        b = plain.evaluate(batches_dataset(micro), verbose=0)
+        assert a == pytest.approx(b, rel=1e-5)
+
+
+def test_logs_carry_gradient_norm_and_progress():
+    micro = micro_batches([8] * 8)
+    # The first update's gradient: the mean-loss gradient of the first 32
+    # samples, at the initial weights.
+    inner = workers.build_mlp()
+    x, y = merge(micro[:4])
+    with tf.GradientTape() as tape:
+        loss = keras.losses.mean_squared_error(y, inner(x))
+        loss = tf.reduce_mean(loss)
+    expected_norm = float(tf.linalg.global_norm(
+        tape.gradient(loss, inner.trainable_variables)))
+    logged = []
+
+    class Collect(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            logged.append((float(logs["accum_step"]), float(logs["grad_norm"])))
+
+    with mirrored(2).scope():
+        model = GradientAccumulationModel(workers.build_mlp(), accum_steps=4)
+        model.compile(keras.optimizers.SGD(0.1, global_clipnorm=1e-3), "mse")
+    model.fit(batches_dataset(micro), epochs=1, verbose=0,
+              callbacks=[Collect()])
+    assert [step for step, _ in logged] == [1, 2, 3, 0, 1, 2, 3, 0]
+    assert [norm for _, norm in logged[:3]] == [0.0, 0.0, 0.0]
+    # Reported before clipping.
+    assert logged[3][1] == pytest.approx(expected_norm, rel=1e-5)
+    assert logged[3][1] > 1e-2
+
+
+class CountingAllReduce(tf.distribute.ReductionToOneDevice):
+    """Counts reductions whose payload includes a gradient-shaped tensor."""
+
+    def __init__(self, gradient_shape):
+        super().__init__()
+        self.gradient_shape = tuple(gradient_shape)
+        self.calls = 0
+        self.in_batch = False
+
+    def _count(self, values):
+        for value in values:
+            for v in getattr(value, "values", (value,)):
+                if tuple(v.shape) == self.gradient_shape:
+                    self.calls += 1
+                    return
+
+    def reduce_implementation(self, reduce_op, per_replica_value,
+                              destinations, options):
+        if not self.in_batch:
+            self._count([per_replica_value])
+        return super().reduce_implementation(reduce_op, per_replica_value,
+                                             destinations, options)
+
+    def batch_reduce_implementation(self, reduce_op, value_destination_pairs,
+                                    options):
+        # One batched reduction is one all-reduce, however it is carried out.
+        self._count([v for v, _ in value_destination_pairs])
+        self.in_batch = True
+        try:
+            return super().batch_reduce_implementation(
+                reduce_op, value_destination_pairs, options)
+        finally:
+            self.in_batch = False
+
+
+@pytest.mark.parametrize("run_eagerly", [True, False])
+def test_one_all_reduce_per_optimizer_step(run_eagerly):
+    micro = micro_batches([8] * 12)
+    kernel_shape = (workers.FEATURES, 16)
+    counts = {}
+    for name, accum_steps in (("plain", None), ("accumulated", 4)):
+        ops = CountingAllReduce(kernel_shape)
+        cls = type("CountingMirrored", (tf.distribute.MirroredStrategy,),
+                   {"_collective_key_base": 50_000})
+        strategy = cls(["/cpu:0", "/cpu:1"], cross_device_ops=ops)
+        model = train(strategy, batches_dataset(micro),
+                      accum_steps=accum_steps, run_eagerly=run_eagerly)
+        counts[name] = ops.calls
+        expected_steps = 12 if accum_steps is None else 3
+        assert int(model.optimizer.iterations.numpy()) == expected_steps
+    if run_eagerly:
+        # Python runs every step: the count is the executed all-reduces.
+        assert counts == {"plain": 12, "accumulated": 3}
+    else:
+        # Traced once: one all-reduce in the graph, inside the branch that
+        # runs on a window's last micro-batch only (the eager case above
+        # shows the branch is not taken on the others).
+        assert counts == {"plain": 1, "accumulated": 1}
+
+
+def test_steps_per_execution_and_jit_compile():
+    micro = micro_batches([8] * 12)
+    reference = train(mirrored(1), batches_dataset(micro), accum_steps=4)
+    for kwargs in ({"steps_per_execution": 3}, {"steps_per_execution": 5},
+                   {"jit_compile": True}):
+        model = train(mirrored(1), batches_dataset(micro), accum_steps=4,
+                      **kwargs)
+        assert int(model.optimizer.iterations.numpy()) == 3, kwargs
+        assert max_diff(weights_of(model), weights_of(reference)) < 1e-5
+    # Multi-replica: TensorFlow's bug, shared with Keras's LossScaleOptimizer,
+    # gets a clear error instead of a failed graph execution.
+    with pytest.raises(ValueError, match="steps_per_execution=3 does not work"):
+        train(mirrored(2), batches_dataset(micro), accum_steps=4,
+              steps_per_execution=3)
+
+
+def test_synchronized_batch_norm_under_mirrored():
+    x, y = workers.regression_data(64)
+    with mirrored(2).scope():
+        inner = keras.Sequential([
+            keras.Input((workers.FEATURES,)),
+            keras.layers.Dense(16),
+            keras.layers.BatchNormalization(synchronized=True),
+            keras.layers.Activation("relu"),
+            keras.layers.Dense(1),
+        ])
+        model = GradientAccumulationModel(inner, accum_steps=2)
+        model.compile("adam", "mse")
+    history = model.fit(x, y, batch_size=8, epochs=2, verbose=0,
+                        shuffle=False)
+    assert int(model.optimizer.iterations.numpy()) == 8
+    assert np.all(np.isfinite(history.history["loss"]))
+    moving_mean = inner.layers[1].moving_mean.numpy()
+    assert np.abs(moving_mean).max() > 0
+
+
+class Subclassed(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(16, activation="tanh")
+        self.out = keras.layers.Dense(1)
+
+    def call(self, inputs):
+        return self.out(self.hidden(inputs))
+
+
+def functional():
+    inputs = keras.Input((workers.FEATURES,))
+    hidden = keras.layers.Dense(16, activation="tanh")(inputs)
+    return keras.Model(inputs, keras.layers.Dense(1)(hidden))
+
+
+@pytest.mark.parametrize("kind", ["sequential_unbuilt", "functional",
+                                  "subclassed"])
+def test_wraps_any_model(kind, tmp_path):
+    build = {
+        "sequential_unbuilt": lambda: keras.Sequential(
+            [keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(1)]),
+        "functional": functional,
+        "subclassed": Subclassed,
+    }[kind]
+    x, y = workers.regression_data(64)
+    with mirrored(2).scope():
+        inner = build()
+        model = GradientAccumulationModel(inner, accum_steps=2)
+        model.compile("adam", "mse", metrics=["mae"])
+    history = model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 4
+    assert set(history.history) >= {"loss", "mae", "grad_norm"}
+    assert model.inner is inner
+    np.testing.assert_allclose(model.predict(x, verbose=0),
+                               inner.predict(x, verbose=0), atol=1e-6)
+    model.summary(print_fn=lambda *a, **k: None)
+
+    weights_path = str(tmp_path / "w.weights.h5")
+    model.save_weights(weights_path)
+    with mirrored(2).scope():
+        again = GradientAccumulationModel(build(), accum_steps=2)
+        again.build((None, workers.FEATURES))
+        again.compile("adam", "mse", metrics=["mae"])
+    again.load_weights(weights_path)
+    np.testing.assert_allclose(again.predict(x, verbose=0),
+                               model.predict(x, verbose=0), atol=1e-6)
+
+
+def test_save_and_load_model_round_trip(tmp_path):
+    x, y = workers.regression_data(64)
+    model = GradientAccumulationModel(functional(), accum_steps=3,
+                                      partial_window="carry")
+    model.compile("adam", "mse")
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)  # 8 micro: 2 left
+    assert model.micro_step == 2
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert isinstance(loaded, GradientAccumulationModel)
+    assert (loaded.accum_steps, loaded.partial_window) == (3, "carry")
+    assert loaded.micro_step == 2
+    np.testing.assert_allclose(loaded.predict(x, verbose=0),
+                               model.predict(x, verbose=0), atol=1e-6)
+    for a, b in zip(loaded._accumulators, model._accumulators):
+        np.testing.assert_allclose(a.numpy(), b.numpy())
+    assert np.abs(loaded._accumulators[0].numpy()).max() > 0
+    # The inner model exports on its own.
+    inner_path = str(tmp_path / "inner.keras")
+    loaded.inner.save(inner_path)
+    np.testing.assert_allclose(
+        keras.models.load_model(inner_path).predict(x, verbose=0),
+        model.predict(x, verbose=0), atol=1e-6)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_half_finished_window_survives_save_and_restore(tmp_path, replicas):
+    micro = micro_batches([8] * 12)
+    strategy = mirrored(replicas)
+    full = train(strategy, batches_dataset(micro), accum_steps=4,
+                 partial_window="carry", optimizer="sgd_momentum")
+
+    first = train(strategy, batches_dataset(micro[:6]), accum_steps=4,
+                  partial_window="carry", optimizer="sgd_momentum")
+    assert first.micro_step == 2
+    path = str(tmp_path / "mid_window.weights.h5")
+    first.save_weights(path)
+    with strategy.scope():
+        resumed = GradientAccumulationModel(workers.build_mlp(), accum_steps=4,
+                                            partial_window="carry")
+        resumed.compile(OPTIMIZERS["sgd_momentum"](), "mse")
+        resumed.optimizer.build(resumed.trainable_variables)
+    resumed.load_weights(path)
+    assert resumed.micro_step == 2
+    resumed.fit(batches_dataset(micro[6:]), epochs=1, verbose=0,
+                shuffle=False)
+    assert int(resumed.optimizer.iterations.numpy()) == 3
+    assert max_diff(weights_of(resumed), weights_of(full)) < 1e-6
+
+
+@pytest.mark.parametrize("bad", [0, -2, 2.5, True, "4", None])
+def test_bad_accum_steps(bad):
+    with pytest.raises(ValueError, match=f"got {bad!r}"):
+        GradientAccumulationModel(workers.build_mlp(), accum_steps=bad)
+
+
+def test_bad_partial_window():
+    with pytest.raises(ValueError, match="got 'keep'"):
+        GradientAccumulationModel(workers.build_mlp(), partial_window="keep")
+
+
+def test_wrapping_twice_is_an_error():
+    inner = workers.build_mlp()
+    wrapper = GradientAccumulationModel(inner, accum_steps=2)
+    with pytest.raises(ValueError, match="already a GradientAccumulationModel"):
+        GradientAccumulationModel(wrapper, accum_steps=2)
+    with pytest.raises(ValueError, match="already wrapped"):
+        GradientAccumulationModel(inner, accum_steps=2)
+    del wrapper
+    import gc
+
+    gc.collect()
+    GradientAccumulationModel(inner, accum_steps=2)
+
+
+def test_optimizer_with_its_own_accumulation_is_an_error():
+    model = GradientAccumulationModel(workers.build_mlp(), accum_steps=2)
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=4"):
+        model.compile(keras.optimizers.Adam(gradient_accumulation_steps=4),
+                      "mse")
+
+
+def test_compiling_the_inner_model_is_an_error():
+    inner = workers.build_mlp()
+    inner.compile("adam", "mse")
+    with pytest.raises(ValueError, match="Compile the GradientAccumulation"):
+        GradientAccumulationModel(inner)
+    inner = workers.build_mlp()
+    model = GradientAccumulationModel(inner, accum_steps=2)
+    model.compile("adam", "mse")
+    inner.compile("adam", "mse")
+    x, y = workers.regression_data(16)
+    with pytest.raises(ValueError, match="was compiled itself"):
+        model.fit(x, y, verbose=0)
+
+
+def test_multi_worker_matches_mirrored(run_workers):
+    results = run_workers(workers.multi_worker_accumulation)
+    reference = workers.accumulation_run(mirrored(2))
+    for r in results:
+        assert r.result["iterations"] == reference["iterations"] == 6
+        assert max_diff([np.asarray(w) for w in r.result["weights"]],
+                        [np.asarray(w) for w in reference["weights"]]) < 1e-5
