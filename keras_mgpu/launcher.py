@@ -143,9 +143,10 @@ def run_local_workers(
 
     Example:
 
-    >>> results = run_local_workers("train.py", 2, timeout=120)  # doctest: +SKIP
-    >>> [r.returncode for r in results]  # doctest: +SKIP
-    [0, 0]
+    >>> results = run_local_workers("platform:python_implementation", 2,
+    ...                             timeout=60)
+    >>> [(r.index, r.returncode, r.result) for r in results]
+    [(0, 0, 'CPython'), (1, 0, 'CPython')]
     """
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or (
         num_workers < 1
