@@ -7,7 +7,6 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 import keras  # noqa: E402
 
 
-
 def _check_backend(active: str) -> None:
     if active != "tensorflow":
         raise ImportError(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import weakref
-from typing import Optional
 
 import keras
 import tensorflow as tf

@@ -188,8 +188,8 @@ def make_tf_config(
 
     Example:
 
-    >>> make_tf_config(["localhost:1", "localhost:2"], 0)
-    '{"cluster": {"worker": ["localhost:1", "localhost:2"]}, "task": {"type": "worker", "index": 0}}'
+    >>> json.loads(make_tf_config(["localhost:1", "localhost:2"], 0))["task"]
+    {'type': 'worker', 'index': 0}
     """
     text = json.dumps(
         {

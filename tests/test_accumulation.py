@@ -5,7 +5,6 @@ import pytest
 import keras
 import tensorflow as tf
 
-import keras_mgpu
 from keras_mgpu import GradientAccumulationModel
 from tests import workers
 from tests.conftest import mirrored

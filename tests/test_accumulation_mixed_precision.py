@@ -4,7 +4,6 @@ import numpy as np
 import pytest
 import keras
 
-from keras_mgpu import GradientAccumulationModel
 from tests import workers
 from tests.conftest import mirrored
 from tests.test_accumulation import (batches_dataset, max_diff, micro_batches,

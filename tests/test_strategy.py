@@ -8,7 +8,6 @@ import tensorflow as tf
 
 import keras_mgpu
 from keras_mgpu import strategy as s
-from tests import workers
 from tests.conftest import mirrored
 
 
@@ -159,8 +158,7 @@ def test_multi_worker_strategy_after_initialisation_is_a_clear_error():
         tf.constant(1.0)
         import keras_mgpu
         keras_mgpu.auto_strategy()
-    """, env={"TF_CONFIG": tf_config({"worker": ["localhost:1",
-                                                "localhost:2"]})})
+    """, env={"TF_CONFIG": tf_config(TWO_WORKERS)})
     assert proc.returncode != 0
     assert "Collective ops must be configured at program startup" in proc.stderr
     assert "call keras_mgpu.auto_strategy() first" in proc.stderr
