@@ -176,3 +176,58 @@ def loss_scale_apply(optimizer, grads, trainable_variables) -> None:
 def loss_scale_skip(optimizer) -> None:
     """LossScaleOptimizer's non-finite branch: halve the scale, skip the step."""
     optimizer._stateful_handle_non_finite_grads()
+
+
+# --- Mixed precision (keras_mgpu.mixed_precision, keras_mgpu.layers) ---------
+# `keras.src.backend.tensorflow.nn._get_logits` reads this attribute on a
+# softmax/sigmoid output to recover its logits for the cross-entropy losses;
+# `keras.activations.softmax`/`sigmoid` set it. Checked on 3.0 to 3.15.
+KERAS_LOGITS_ATTR = "_keras_logits"
+LOGITS_RECOVERY_WRITTEN_FOR = (Version("3.0.0"), Version("4.0.0.dev0"))
+
+
+def logits_recovery_supported(version: Version = KERAS_VERSION) -> bool:
+    """Whether Keras `version` recovers logits from `_keras_logits`."""
+    low, high = LOGITS_RECOVERY_WRITTEN_FOR
+    return low <= version < high
+
+
+def attach_logits(output, logits) -> bool:
+    """Attaches `logits` to `output` so Keras's cross-entropy losses use them.
+
+    Returns whether the attribute could be set (eager tensors of some builds
+    refuse new attributes; the losses then see probabilities only).
+    """
+    try:
+        setattr(output, KERAS_LOGITS_ATTR, logits)
+    except AttributeError:
+        return False
+    return True
+
+
+def attached_logits(output):
+    """The logits attached to `output` by a softmax/sigmoid, or None."""
+    return getattr(output, KERAS_LOGITS_ATTR, None)
+
+
+def sublayers(layer) -> list:
+    """Every layer nested in `layer` (itself excluded), depth first."""
+    return list(layer._flatten_layers(include_self=False, recursive=True))
+
+
+def own_variables(layer) -> list:
+    """The variables created by `layer` itself, not by its sublayers."""
+    return list(layer._trainable_variables) + list(
+        layer._non_trainable_variables
+    )
+
+
+def variable_autocasts(variable) -> bool:
+    """Whether `variable` is cast to the compute dtype when read in `call`."""
+    return bool(getattr(variable, "_autocast", True))
+
+
+def producing_layer(keras_tensor):
+    """The layer whose call produced a symbolic `keras_tensor`, or None."""
+    history = getattr(keras_tensor, "_keras_history", None)
+    return history[0] if history else None

@@ -3,15 +3,20 @@
 import doctest
 import importlib
 
+import keras
 import pytest
 
 MODULES = ["keras_mgpu.strategy", "keras_mgpu.compat", "keras_mgpu.launcher",
-           "keras_mgpu.accumulation"]
+           "keras_mgpu.accumulation", "keras_mgpu.mixed_precision",
+           "keras_mgpu.layers.fp32_output_head"]
 
 
 @pytest.mark.parametrize("name", MODULES)
 def test_docstring_examples_run(name):
     module = importlib.import_module(name)
-    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    try:
+        result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
     assert result.attempted > 0
     assert result.failed == 0

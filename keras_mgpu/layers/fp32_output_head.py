@@ -1,0 +1,165 @@
+"""`FP32OutputHead`: a final Dense layer whose output is float32 under any policy."""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+from keras import ops
+
+from keras_mgpu import compat
+
+# Activations whose output Keras's cross-entropy losses can map back to the
+# logits they came from (softmax -> categorical, sigmoid -> binary).
+_LOGIT_ACTIVATIONS = ("softmax", "sigmoid")
+
+# Keys of `Dense.get_config()` that the head sets itself or passes to `Layer`.
+_NOT_DENSE_KWARGS = ("name", "units", "activation", "dtype", "trainable")
+
+
+class _ReplicaSummedCount(keras.metrics.Sum):
+    """A `Sum` whose result is the total over all replicas, in every context.
+
+    Metric variables are per-replica (sync on read, summed on read), but
+    `fit` reads results inside the replica step and then averages them over
+    replicas for its batch logs; a count read there would come out divided
+    by the replica count. The replica-context result is therefore
+    all-reduced first.
+    """
+
+    def result(self):
+        total = super().result()
+        if tf.distribute.in_cross_replica_context():
+            return total
+        context = tf.distribute.get_replica_context()
+        if context is None or context.num_replicas_in_sync == 1:
+            return total
+        return context.all_reduce(tf.distribute.ReduceOp.SUM, total)
+
+
+@keras.saving.register_keras_serializable(package="keras_mgpu")
+class FP32OutputHead(keras.layers.Layer):
+    """A drop-in final Dense layer that outputs float32 under any dtype policy.
+
+    Under `mixed_float16` or `mixed_bfloat16`, a final
+    `Dense(n, activation="softmax")` computes its softmax in half precision
+    and the model's output is cast to float32 afterwards, so the loss only
+    sees (clipped) probabilities. This head casts the logits to float32
+    before the activation and attaches them to its output: Keras's
+    cross-entropy losses (categorical, sparse categorical, binary, with the
+    default `from_logits=False`) then compute the loss from the float32
+    logits, while `predict` still returns probabilities.
+
+    It also counts the non-finite values (inf, NaN) of its input and its
+    output. Both counts show in `fit` and `evaluate` logs as
+    `<name>_nonfinite_inputs` and `<name>_nonfinite_outputs` (summed over
+    replicas and over the epoch so far), which tells a forward-pass overflow
+    apart from a gradient overflow. Only a model's own layers report metrics:
+    when the model is nested in another model (for example
+    `keras_mgpu.GradientAccumulationModel`), Keras does not collect them.
+
+    Args:
+        units: Number of outputs (classes, or 1 for a binary head).
+        activation: Defaults to `None` (linear). Usually `"softmax"`,
+            `"sigmoid"` or `None`; computed in float32.
+        float32_matmul: Defaults to `False`. If `True`, the matmul runs in
+            float32 too (inputs are upcast), so logits beyond the float16
+            range (65504) do not overflow. Costs one float32 matmul.
+        **dense_kwargs: Passed to the inner `keras.layers.Dense`
+            (`use_bias`, `kernel_initializer`, ...) or to `keras.layers.Layer`
+            (`name`, `dtype`, `trainable`).
+
+    Example:
+
+    >>> import numpy as np, keras
+    >>> from keras_mgpu.layers import FP32OutputHead
+    >>> keras.mixed_precision.set_global_policy("mixed_float16")
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8),
+    ...     FP32OutputHead(3, activation="softmax")])
+    >>> model.outputs[0].dtype
+    'float32'
+    >>> model.predict(np.ones((2, 4)), verbose=0).sum(axis=-1).round(3)
+    array([1., 1.], dtype=float32)
+    >>> keras.mixed_precision.set_global_policy("float32")
+    """
+
+    def __init__(
+        self,
+        units: int,
+        activation=None,
+        float32_matmul: bool = False,
+        **dense_kwargs,
+    ):
+        layer_kwargs = {
+            key: dense_kwargs.pop(key)
+            for key in ("name", "dtype", "trainable")
+            if key in dense_kwargs
+        }
+        # Inputs are counted as they arrive, before any cast could overflow
+        # or hide them; the inner Dense casts them to its own compute dtype.
+        dense_kwargs.pop("autocast", None)
+        super().__init__(autocast=False, **layer_kwargs)
+        self.units = int(units)
+        self.activation = keras.activations.get(activation)
+        self.float32_matmul = bool(float32_matmul)
+        self._dense_kwargs = dict(dense_kwargs)
+        self.dense = keras.layers.Dense(
+            self.units,
+            dtype="float32" if self.float32_matmul else self.dtype_policy,
+            name="dense",
+            **dense_kwargs,
+        )
+        self.nonfinite_inputs = _ReplicaSummedCount(
+            name=f"{self.name}_nonfinite_inputs"
+        )
+        self.nonfinite_outputs = _ReplicaSummedCount(
+            name=f"{self.name}_nonfinite_outputs"
+        )
+
+    @property
+    def activation_name(self) -> str:
+        return getattr(self.activation, "__name__", str(self.activation))
+
+    def build(self, input_shape):
+        self.dense.build(input_shape)
+        self.built = True
+
+    def call(self, inputs):
+        self.nonfinite_inputs.update_state(_count_nonfinite(inputs))
+        logits = ops.cast(self.dense(inputs), "float32")
+        outputs = self.activation(logits)
+        if self.activation_name in _LOGIT_ACTIVATIONS:
+            # Keras's softmax/sigmoid attach the logits already; attaching
+            # again keeps this true if that ever moves out of the activation.
+            compat.attach_logits(outputs, logits)
+        self.nonfinite_outputs.update_state(_count_nonfinite(outputs))
+        return outputs
+
+    def compute_output_shape(self, input_shape):
+        return tuple(input_shape[:-1]) + (self.units,)
+
+    def compute_output_spec(self, inputs):
+        return keras.KerasTensor(
+            self.compute_output_shape(inputs.shape), dtype="float32"
+        )
+
+    def get_config(self):
+        config = super().get_config()
+        dense_config = self.dense.get_config()
+        for key in _NOT_DENSE_KWARGS:
+            dense_config.pop(key, None)
+        config.update(dense_config)
+        config.update(
+            {
+                "units": self.units,
+                "activation": keras.activations.serialize(self.activation),
+                "float32_matmul": self.float32_matmul,
+            }
+        )
+        return config
+
+
+def _count_nonfinite(x):
+    x = ops.convert_to_tensor(x)
+    if not keras.backend.is_float_dtype(x.dtype):
+        return ops.zeros((), "float32")
+    return ops.sum(ops.cast(ops.logical_not(ops.isfinite(x)), "float32"))

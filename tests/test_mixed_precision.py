@@ -1,0 +1,304 @@
+"""keras_mgpu.mixed_precision: policy choice, audit, loss-scale telemetry."""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+
+from keras_mgpu import GradientAccumulationModel
+from keras_mgpu import mixed_precision
+from keras_mgpu.layers import FP32OutputHead
+from keras_mgpu.mixed_precision import LossScaleMonitor, audit
+from tests.conftest import mirrored
+from tests.test_accumulation import batches_dataset, micro_batches
+from tests import workers
+
+
+@pytest.fixture
+def policy(request):
+    keras.mixed_precision.set_global_policy(request.param)
+    yield request.param
+    keras.mixed_precision.set_global_policy("float32")
+
+
+@pytest.fixture
+def reset_policy():
+    yield
+    keras.mixed_precision.set_global_policy("float32")
+
+
+# --- set_policy ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("capabilities,expected", [
+    ([], "float32"),
+    ([(9, 0)], "mixed_bfloat16"),
+    ([(8, 0), (8, 6)], "mixed_bfloat16"),
+    ([(8, 0), (7, 5)], "mixed_float16"),  # the weakest GPU decides
+    ([(7, 0)], "mixed_float16"),
+    ([(6, 1)], "float32"),
+    ([(8, 0), None], "float32"),
+])
+def test_choose_policy(capabilities, expected):
+    chosen, reason = mixed_precision.choose_policy(capabilities)
+    assert chosen == expected
+    assert reason
+
+
+def test_set_policy_auto_on_cpu_is_float32(reset_policy, capsys):
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    assert mixed_precision.set_policy("auto", verbose=True) == "float32"
+    assert keras.mixed_precision.global_policy().name == "float32"
+    assert "no GPU" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["float32", "mixed_float16",
+                                  "mixed_bfloat16"])
+def test_set_policy_explicit(reset_policy, name):
+    assert mixed_precision.set_policy(name) == name
+    assert keras.mixed_precision.global_policy().name == name
+
+
+def test_set_policy_rejects_bad_names(reset_policy):
+    with pytest.raises(ValueError, match="mixed_bfloat16"):
+        mixed_precision.set_policy("mixed_float8")
+
+
+# --- audit --------------------------------------------------------------------
+
+
+def problems(findings):
+    return [f.problem for f in findings]
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_float16",
+                                    "mixed_bfloat16"], indirect=True)
+def test_clean_models_have_no_findings(policy):
+    def build():
+        return keras.Sequential([
+            keras.Input((8,)),
+            keras.layers.Dense(16, activation="relu"),
+            keras.layers.BatchNormalization(),
+            keras.layers.LayerNormalization(),
+            FP32OutputHead(3, activation="softmax"),
+        ])
+
+    model = build()
+    assert audit(model) == []
+    model.compile("adam", "sparse_categorical_crossentropy")
+    assert audit(model, strict=True) == []
+    wrapped = GradientAccumulationModel(build(), accum_steps=2)
+    wrapped.compile("adam", "sparse_categorical_crossentropy")
+    assert audit(wrapped) == []
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16"], indirect=True)
+def test_clean_recommended_pattern_float32_activation_layer(policy):
+    """Dense in float16, then Activation("softmax", dtype="float32")."""
+    model = keras.Sequential([
+        keras.Input((8,)),
+        keras.layers.Dense(3),
+        keras.layers.Activation("softmax", dtype="float32"),
+    ])
+    model.compile("adam", "categorical_crossentropy")
+    assert audit(model) == []
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"],
+                         indirect=True)
+def test_finds_half_precision_output(policy):
+    model = keras.Sequential([keras.Input((8,)),
+                              keras.layers.Dense(2, name="last")])
+    findings = audit(model)
+    assert len(findings) == 1
+    assert findings[0].layer == "last"
+    assert findings[0].problem.startswith(
+        f"output is {policy.split('_')[1]}, not float32")
+    assert "FP32OutputHead" in findings[0].fix
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16"], indirect=True)
+@pytest.mark.parametrize("activation", ["softmax", "sigmoid", "exponential",
+                                        "log_softmax"])
+def test_finds_sensitive_activation_in_half_precision(policy, activation):
+    model = keras.Sequential([
+        keras.Input((8,)),
+        keras.layers.Dense(4, activation=activation, name="act"),
+        keras.layers.Dense(2, dtype="float32"),
+    ])
+    assert problems(audit(model)) == [
+        f"{activation} computed in bfloat16: it saturates or overflows in "
+        "half precision"]
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16"], indirect=True)
+def test_finds_loss_fed_half_precision_probabilities(policy):
+    model = keras.Sequential([
+        keras.Input((8,)),
+        keras.layers.Dense(3, activation="softmax", name="probs"),
+    ])
+    model.compile("adam", keras.losses.CategoricalCrossentropy())
+    found = [f for f in audit(model) if f.problem.startswith("loss gets")]
+    assert len(found) == 1 and found[0].layer == "probs"
+    # from_logits=True means the user already feeds logits: not this finding.
+    model.compile("adam", keras.losses.CategoricalCrossentropy(
+        from_logits=True))
+    assert not [f for f in audit(model) if f.problem.startswith("loss gets")]
+    # Uncompiled: nothing to say about the loss.
+    fresh = keras.Sequential([keras.Input((8,)), keras.layers.Dense(
+        1, activation="sigmoid")])
+    assert not [f for f in audit(fresh) if f.problem.startswith("loss gets")]
+    fresh.compile("adam", "binary_crossentropy")
+    assert [f for f in audit(fresh) if f.problem.startswith("loss gets")]
+
+
+def test_finds_float16_without_loss_scale_optimizer():
+    # Per-layer float16 policies under a float32 global policy: compile does
+    # not wrap the optimizer, since the model's own policy is float32.
+    model = keras.Sequential([
+        keras.Input((8,)),
+        keras.layers.Dense(16, dtype="mixed_float16"),
+        keras.layers.Dense(1, dtype="float32", name="out"),
+    ])
+    model.compile("sgd", "mse")
+    findings = audit(model)
+    assert len(findings) == 1
+    assert "not a LossScaleOptimizer" in findings[0].problem
+    model.compile(keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD()), "mse")
+    assert audit(model) == []
+
+
+class Float32Scale(keras.layers.Layer):
+    """A custom layer that pins a float32 variable in its float16 path."""
+
+    def __init__(self, autocast_variable=False, **kwargs):
+        super().__init__(**kwargs)
+        self.autocast_variable = autocast_variable
+
+    def build(self, input_shape):
+        self.scale = self.add_weight(shape=(input_shape[-1],), dtype="float32",
+                                     initializer="ones",
+                                     autocast=self.autocast_variable)
+
+    def call(self, x):
+        return keras.ops.cast(x, "float32") * self.scale
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16"], indirect=True)
+def test_finds_custom_layer_with_float32_variables(policy):
+    model = keras.Sequential([
+        keras.Input((8,)),
+        keras.layers.Dense(4),
+        Float32Scale(name="pinned"),
+        keras.layers.Dense(1, dtype="float32"),
+    ])
+    findings = audit(model)
+    assert [f.layer for f in findings] == ["pinned"]
+    assert "reads float32 variables without autocast" in findings[0].problem
+    model.compile(keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD()), "mse")
+    with pytest.raises(ValueError, match="pinned"):
+        audit(model, strict=True)
+    # The same layer letting Keras autocast its variable is fine.
+    fine = keras.Sequential([keras.Input((8,)),
+                             Float32Scale(autocast_variable=True),
+                             keras.layers.Dense(1, dtype="float32")])
+    assert audit(fine) == []
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16"], indirect=True)
+def test_strict_lists_every_finding(policy):
+    model = keras.Sequential([keras.Input((8,)),
+                              keras.layers.Dense(3, activation="softmax")])
+    model.compile("adam", "sparse_categorical_crossentropy")
+    with pytest.raises(ValueError) as error:
+        audit(model, strict=True)
+    assert "3 problem(s)" in str(error.value)
+
+
+# --- LossScaleMonitor ---------------------------------------------------------
+
+
+def poisoned_batches(count, bad_batches, size=8):
+    batches = [list(b) for b in micro_batches([size] * count)]
+    for index in bad_batches:
+        batches[index][1] = batches[index][1].copy()
+        batches[index][1][0] = np.nan
+    return batches_dataset(batches)
+
+
+def monitored_fit(strategy, data, accum_steps=None, epochs=1, **monitor_kw):
+    with strategy.scope():
+        inner = workers.build_mlp()
+        model = inner if accum_steps is None else GradientAccumulationModel(
+            inner, accum_steps=accum_steps)
+        model.compile(keras.optimizers.LossScaleOptimizer(
+            keras.optimizers.SGD(0.01)), "mse")
+    monitor = LossScaleMonitor(**monitor_kw)
+    seen = []
+
+    class Record(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append(dict(logs))
+
+    history = model.fit(data, epochs=epochs, verbose=0, shuffle=False,
+                        callbacks=[monitor, Record()])
+    return model, monitor, history, seen
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16"], indirect=True)
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_monitor_counts_a_skipped_step(policy, replicas):
+    # A NaN label in batch 2; under 2 replicas its first sample lands on the
+    # first replica (see test_fp32_output_head on Keras's finite check).
+    model, monitor, history, seen = monitored_fit(
+        mirrored(replicas), poisoned_batches(6, [2]))
+    assert int(model.optimizer.iterations.numpy()) == 5
+    assert [s["skipped_steps"] for s in seen] == [0, 0, 1, 1, 1, 1]
+    assert [s["loss_scale"] for s in seen[:4]] == \
+        [2.0 ** 15, 2.0 ** 15, 2.0 ** 14, 2.0 ** 14]
+    assert history.history["skipped_steps"] == [1]
+    assert history.history["skipped_steps_total"] == [1]
+    assert history.history["loss_scale"] == [2.0 ** 14]
+    assert monitor.skipped_steps_total == 1
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16"], indirect=True)
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_monitor_counts_a_skipped_window_once(policy, replicas):
+    # 12 micro-batches, accum_steps=4: windows 0-3, 4-7, 8-11. NaN labels in
+    # two micro-batches of window 2: one skipped window.
+    model, monitor, history, seen = monitored_fit(
+        mirrored(replicas), poisoned_batches(12, [5, 6]), accum_steps=4)
+    assert int(model.optimizer.iterations.numpy()) == 2
+    assert [s["accum_step"] for s in seen] == [1, 2, 3, 0] * 3
+    assert [s["skipped_steps"] for s in seen] == [0] * 7 + [1] * 5
+    assert history.history["skipped_steps"] == [1]
+    assert history.history["loss_scale"] == [2.0 ** 14]
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16"], indirect=True)
+def test_monitor_warns_on_consecutive_skips_and_low_scale(policy):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, monitor, history, _ = monitored_fit(
+            mirrored(1), poisoned_batches(5, [0, 1, 2, 3]),
+            max_consecutive_skips=3, min_scale=2.0 ** 13)
+    messages = [str(w.message) for w in caught
+                if issubclass(w.category, RuntimeWarning)]
+    assert sum("3 consecutive" in m for m in messages) == 1
+    # 2**15 halved four times: below 2**13 after the third skip.
+    assert sum("fell below min_scale" in m for m in messages) == 1
+    assert history.history["skipped_steps"] == [4]
+    assert history.history["loss_scale"] == [2.0 ** 11]
+
+
+def test_monitor_counts_per_epoch_and_total(reset_policy):
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    _, monitor, history, _ = monitored_fit(
+        mirrored(1), poisoned_batches(4, [1]), epochs=2)
+    # The same poisoned batch each epoch: one skip per epoch.
+    assert history.history["skipped_steps"] == [1, 1]
+    assert history.history["skipped_steps_total"] == [1, 2]
