@@ -132,6 +132,13 @@ class GradientAccumulationModel(keras.Model):
             )
         super().compile(optimizer, *args, **kwargs)
 
+    def compile_from_config(self, config):
+        # Keras skips this for models that override `compile`; the override
+        # only validates, so loading may compile as Keras would.
+        self.compile(**keras.saving.deserialize_keras_object(config))
+        if self.built:
+            self.optimizer.build(self.trainable_variables)
+
     def fit(self, *args, callbacks=None, **kwargs):
         _check_inner_not_compiled(self.inner)
         if (

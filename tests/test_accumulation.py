@@ -350,6 +350,10 @@ def test_save_and_load_model_round_trip(tmp_path):
     assert isinstance(loaded, GradientAccumulationModel)
     assert (loaded.accum_steps, loaded.partial_window) == (3, "carry")
     assert loaded.micro_step == 2
+    assert loaded.compiled
+    assert int(loaded.optimizer.iterations.numpy()) == 2
+    for a, b in zip(loaded.optimizer.variables, model.optimizer.variables):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b))
     np.testing.assert_allclose(loaded.predict(x, verbose=0),
                                model.predict(x, verbose=0), atol=1e-6)
     for a, b in zip(loaded._accumulators, model._accumulators):
