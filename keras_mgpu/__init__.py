@@ -19,6 +19,7 @@ def _check_backend(active: str) -> None:
 
 _check_backend(keras.backend.backend())
 
+from keras_mgpu import callbacks  # noqa: E402,F401
 from keras_mgpu import compat  # noqa: E402,F401
 from keras_mgpu import layers  # noqa: E402,F401
 from keras_mgpu import mixed_precision  # noqa: E402,F401

@@ -231,3 +231,32 @@ def producing_layer(keras_tensor):
     """The layer whose call produced a symbolic `keras_tensor`, or None."""
     history = getattr(keras_tensor, "_keras_history", None)
     return history[0] if history else None
+
+
+# --- Backup and restore (keras_mgpu.callbacks.BackupAndRestore) --------------
+# Keras 3.x's `fit` starts at `model._initial_epoch` when set (its own
+# BackupAndRestore uses this), calls `model.train_function(iterator)` once per
+# batch (or `steps_per_execution` batches), and calls each callback's
+# `on_train_begin` from `CallbackList.on_train_begin`.
+
+
+def set_initial_epoch(model, epoch) -> None:
+    """Makes the running `fit` start at `epoch` (None: as the caller asked)."""
+    model._initial_epoch = epoch
+
+
+def calling_callback_list(frame_depth: int = 2):
+    """The callbacks of the `CallbackList` that is calling a callback hook.
+
+    Callbacks have no reference to their siblings; the `CallbackList` that
+    invokes `on_train_begin` is the caller's `self` two frames up.
+    """
+    import sys
+
+    from keras.src.callbacks.callback_list import CallbackList
+
+    frame = sys._getframe(frame_depth)
+    owner = frame.f_locals.get("self")
+    if isinstance(owner, CallbackList):
+        return list(owner.callbacks)
+    return None

@@ -1,0 +1,636 @@
+"""`BackupAndRestore`: rerun the same command after a crash, end with the same model."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+import uuid
+import warnings
+from typing import Optional, Union
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_mgpu import compat
+from keras_mgpu import strategy as strategy_lib
+
+# EX_TEMPFAIL: "try again". A job runner can restart on exactly this code.
+RESTART_EXIT_CODE = 75
+FORMAT_VERSION = 1
+
+# A preset is only a named set of constructor arguments.
+PRESETS = {
+    "epoch": {
+        "save_freq": "epoch",
+        "keep": 2,
+    },
+    "preemptible": {
+        "save_freq": 50,
+        "keep": 2,
+        "save_on_sigterm": True,
+    },
+    "multi_worker": {
+        "save_freq": 200,
+        "keep": 3,
+        "save_on_sigterm": True,
+    },
+}
+
+# Callback attributes that decide what happens after a restart.
+_CALLBACK_STATE = {
+    keras.callbacks.EarlyStopping: ("wait", "stopped_epoch", "best",
+                                    "best_epoch"),
+    keras.callbacks.ModelCheckpoint: ("best",),
+    keras.callbacks.ReduceLROnPlateau: ("best", "wait", "cooldown_counter"),
+}
+
+_GENERATION_PREFIX = "gen-"
+_TMP_PREFIX = ".tmp-"
+_WEIGHTS = "weights.weights.h5"
+_EXTRA = "variables.npz"
+_STATE = "state.json"
+_MANIFEST = "MANIFEST.json"
+
+
+def list_presets() -> dict:
+    """The presets of `BackupAndRestore.from_preset`, name to arguments.
+
+    Example:
+
+    >>> sorted(list_presets())
+    ['epoch', 'multi_worker', 'preemptible']
+    """
+    return {name: dict(args) for name, args in PRESETS.items()}
+
+
+class BackupAndRestore(keras.callbacks.Callback):
+    """Backs up training state so that a rerun resumes exactly where it died.
+
+    Kill the training process at any point (SIGKILL, mid-epoch, mid
+    accumulation window), run the same script again, and it ends with the
+    same weights and the same number of optimizer steps as an uninterrupted
+    run (given a deterministic input order). On restart it restores the model
+    and optimizer variables (which include `iterations`, the learning-rate
+    schedule's position, the loss scale, `GradientAccumulationModel`
+    accumulators and the dropout seed generators), starts at the interrupted
+    epoch, skips the batches that epoch had already consumed, and restores
+    the state of `EarlyStopping`, `ModelCheckpoint` and `ReduceLROnPlateau`
+    callbacks in the same `fit` call.
+
+    Each save writes a complete generation to a temporary directory, writes
+    its manifest (sizes and SHA-256 checksums) last, and renames it into
+    place. The last `keep` generations are kept. A restore verifies the
+    newest generation and falls back to the previous one, with a warning, if
+    it is truncated, corrupt or incomplete. Paths go through `tf.io.gfile`,
+    so `gs://` and other TensorFlow filesystems work.
+
+    Under `MultiWorkerMirroredStrategy` every worker takes part in each save
+    (reading replica-local variables is a collective), only the chief writes
+    to `backup_dir`, and all workers resume from the same generation.
+
+    Not restored: the running averages of the interrupted epoch's metrics
+    (Keras restarts them each epoch; after a resume they cover the batches
+    trained after it), and the order of data shuffled by a process-wide
+    random generator: use a deterministic, or per-epoch seeded, input order.
+
+    Args:
+        backup_dir: Where generations live (local path or any `tf.io.gfile`
+            URL). Use one directory per training run.
+        save_freq: Defaults to `"epoch"`: save at each epoch's end. An
+            integer `n`: save every `n` batches.
+        keep: Defaults to 2. Generations kept (at least 1).
+        save_on_sigterm: Defaults to `False`. If `True`, SIGTERM (the usual
+            preemption notice) makes the callback save at the next batch
+            boundary and exit with `exit_code`.
+        exit_code: Defaults to `RESTART_EXIT_CODE` (75, EX_TEMPFAIL): the
+            process exit status after a SIGTERM save, so a job runner knows
+            to rerun.
+        delete_on_success: Defaults to `True`: a run that finishes deletes
+            its generations.
+
+    Example:
+
+    >>> import numpy as np, keras, tempfile
+    >>> from keras_mgpu.callbacks import BackupAndRestore
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    >>> model.compile("sgd", "mse")
+    >>> backup = BackupAndRestore.from_preset(
+    ...     "preemptible", tempfile.mkdtemp(), save_freq=2)
+    >>> history = model.fit(np.ones((32, 4)), np.ones((32, 1)), batch_size=8,
+    ...                     epochs=2, callbacks=[backup], verbose=0)
+    >>> len(history.history["loss"])
+    2
+    """
+
+    def __init__(
+        self,
+        backup_dir: str,
+        save_freq: Union[str, int] = "epoch",
+        keep: int = 2,
+        save_on_sigterm: bool = False,
+        exit_code: int = RESTART_EXIT_CODE,
+        delete_on_success: bool = True,
+    ):
+        super().__init__()
+        if not isinstance(backup_dir, (str, os.PathLike)) or not str(
+            backup_dir
+        ):
+            raise ValueError(
+                f"backup_dir must be a non-empty path, got {backup_dir!r}."
+            )
+        if save_freq != "epoch" and (
+            isinstance(save_freq, bool)
+            or not isinstance(save_freq, int)
+            or save_freq < 1
+        ):
+            raise ValueError(
+                f"save_freq must be 'epoch' or a positive number of batches, "
+                f"got {save_freq!r}."
+            )
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(
+                f"keep must be a positive integer, got {keep!r}: the newest "
+                "generation is always kept."
+            )
+        self.backup_dir = str(backup_dir).rstrip("/")
+        self.save_freq = save_freq
+        self.keep = keep
+        self.save_on_sigterm = bool(save_on_sigterm)
+        self.exit_code = int(exit_code)
+        self.delete_on_success = bool(delete_on_success)
+        self._sigterm = threading.Event()
+        self._previous_handler = None
+
+    @classmethod
+    def from_preset(cls, name: str, backup_dir: str, **overrides):
+        """Builds the callback from a named preset, with `overrides` on top.
+
+        Args:
+            name: One of `list_presets()`.
+            backup_dir: Where generations live.
+            **overrides: Constructor arguments replacing the preset's.
+        """
+        if name not in PRESETS:
+            raise ValueError(
+                f"Unknown BackupAndRestore preset {name!r}. Valid presets: "
+                f"{sorted(PRESETS)}."
+            )
+        return cls(backup_dir, **{**PRESETS[name], **overrides})
+
+    # --- fit hooks ----------------------------------------------------------
+
+    def on_train_begin(self, logs=None):
+        model = self.model
+        self._strategy = model.distribute_strategy
+        self._chief = strategy_lib.is_chief()
+        self._multi_worker = strategy_lib.is_multi_worker(self._strategy)
+        self._siblings = [
+            c for c in (compat.calling_callback_list() or []) if c is not self
+        ]
+        self._epoch = 0
+        self._step_in_epoch = 0
+        self._global_step = 0
+        self._skip_until = 0
+        self._resume_epoch = None
+        self._pending_callback_state = None
+        self._train_function = None
+        self._save_at_epoch_end = False
+        self._epoch_end_save = None
+        if self._chief:
+            _check_writable(self.backup_dir)
+        self._restore()
+        if self.save_on_sigterm:
+            self._install_sigterm_handler()
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._save_pending_epoch_end()
+        self._epoch = epoch
+        self._step_in_epoch = 0
+        if self._pending_callback_state is not None:
+            # Applied here, not in on_train_begin: EarlyStopping resets its
+            # own state in its on_train_begin, which may run after ours.
+            _set_callback_state(self._siblings, self._pending_callback_state)
+            self._pending_callback_state = None
+        if epoch != self._resume_epoch:
+            self._skip_until = 0
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if batch < self._skip_until:
+            if self._train_function is None:
+                self._train_function = self.model.train_function
+            self._to_skip = min(
+                self.model.steps_per_execution, self._skip_until - batch
+            )
+            self.model.train_function = self._skip_batches
+        elif self._train_function is not None:
+            self.model.train_function = self._train_function
+            self._train_function = None
+
+    def on_train_batch_end(self, batch, logs=None):
+        done = batch + 1
+        if self._train_function is None:
+            self._global_step += done - self._step_in_epoch
+        self._step_in_epoch = done
+        if self._train_function is not None:
+            return
+        if self.save_freq != "epoch" and (
+            self._global_step // self.save_freq
+            > self._last_saved_step // self.save_freq
+        ):
+            if done == self.params.get("steps"):
+                # The epoch's last batch: save after its end-of-epoch work
+                # instead, so a resume starts a fresh epoch.
+                self._save_at_epoch_end = True
+            else:
+                self._save(self._epoch, done)
+        if self.save_on_sigterm and self._sigterm_agreed():
+            generation = self._save(self._epoch, done)
+            self.model.stop_training = True
+            print(
+                f"BackupAndRestore: SIGTERM received; saved generation "
+                f"{generation} at epoch {self._epoch}, batch {done}. Exiting "
+                f"with code {self.exit_code}: run the same command again to "
+                "resume.",
+                file=sys.stderr,
+                flush=True,
+            )
+            raise SystemExit(self.exit_code)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self._train_function is not None:
+            self.model.train_function = self._train_function
+            self._train_function = None
+        if self.save_freq == "epoch" or self._save_at_epoch_end:
+            # Saved when the next epoch begins: by then every callback has
+            # run its on_epoch_end (EarlyStopping's `best`, ...).
+            self._save_at_epoch_end = False
+            self._epoch_end_save = epoch + 1
+
+    def _save_pending_epoch_end(self) -> None:
+        if self._epoch_end_save is not None:
+            self._save(self._epoch_end_save, 0)
+            self._epoch_end_save = None
+
+    def on_train_end(self, logs=None):
+        self._uninstall_sigterm_handler()
+        if not self.delete_on_success:
+            self._save_pending_epoch_end()
+        compat.set_initial_epoch(self.model, None)
+        if self.delete_on_success and self._chief:
+            for name in _entries(self.backup_dir):
+                if name.startswith((_GENERATION_PREFIX, _TMP_PREFIX)):
+                    tf.io.gfile.rmtree(_join(self.backup_dir, name))
+            if tf.io.gfile.exists(self.backup_dir) and not _entries(
+                self.backup_dir
+            ):
+                tf.io.gfile.rmtree(self.backup_dir)
+
+    # --- saving -------------------------------------------------------------
+
+    _last_saved_step = 0
+
+    def _save(self, epoch: int, step_in_epoch: int) -> Optional[int]:
+        """Writes one generation; returns its number (None off the chief)."""
+        self._last_saved_step = self._global_step
+        local = tempfile.mkdtemp(prefix="keras_mgpu_backup_")
+        try:
+            # Every worker reads every variable: replica-local ones (metrics,
+            # accumulators) are all-reduced on read.
+            weights_path = os.path.join(local, _WEIGHTS)
+            self.model.save_weights(weights_path)
+            extra = [np.asarray(v.numpy()) for v in _unsaved_variables(self.model)]
+            if not self._chief:
+                return None
+            state = {
+                "format": FORMAT_VERSION,
+                "keras_mgpu_version": _version(),
+                "epoch": epoch,
+                "step_in_epoch": step_in_epoch,
+                "global_step": self._global_step,
+                "architecture": _fingerprint(self.model),
+                "callbacks": _get_callback_state(self._siblings),
+                "time": time.time(),
+            }
+            with open(os.path.join(local, _STATE), "w") as f:
+                json.dump(state, f, allow_nan=True)
+            np.savez(os.path.join(local, _EXTRA), *extra)
+            return self._commit(local)
+        finally:
+            shutil.rmtree(local, ignore_errors=True)
+
+    def _commit(self, local_dir: str) -> int:
+        existing = _generations(self.backup_dir)
+        number = (existing[0] + 1) if existing else 1
+        tmp = _join(self.backup_dir, f"{_TMP_PREFIX}{number}-{uuid.uuid4().hex}")
+        final = _generation_dir(self.backup_dir, number)
+        tf.io.gfile.makedirs(tmp)
+        manifest = {"generation": number, "files": {}}
+        for name in (_WEIGHTS, _EXTRA, _STATE):
+            with open(os.path.join(local_dir, name), "rb") as f:
+                data = f.read()
+            _write_file(_join(tmp, name), data)
+            manifest["files"][name] = {
+                "size": len(data),
+                "sha256": hashlib.sha256(data).hexdigest(),
+            }
+        # Complete files move in; the manifest, written last, is the commit
+        # marker. Files, not the directory, are renamed: some TensorFlow
+        # filesystems (ram://, object stores) do not rename directories.
+        tf.io.gfile.makedirs(final)
+        for name in manifest["files"]:
+            tf.io.gfile.rename(_join(tmp, name), _join(final, name))
+        _write_file(_join(final, _MANIFEST), json.dumps(manifest).encode())
+        tf.io.gfile.rmtree(tmp)
+        committed = [
+            n for n in _generations(self.backup_dir)
+            if tf.io.gfile.exists(
+                _join(_generation_dir(self.backup_dir, n), _MANIFEST))
+        ]
+        for old in set(_generations(self.backup_dir)) - set(
+            committed[: self.keep]
+        ):
+            # Older generations past `keep`, and uncommitted leftovers of
+            # killed saves; never the one just committed.
+            tf.io.gfile.rmtree(_generation_dir(self.backup_dir, old))
+        return number
+
+    # --- restoring ----------------------------------------------------------
+
+    def _restore(self) -> None:
+        chosen, state, files = None, None, None
+        if tf.io.gfile.exists(self.backup_dir):
+            if self._chief:
+                _remove_stale_tmp(self.backup_dir)
+            for number in _generations(self.backup_dir):
+                try:
+                    state, files = _read_generation(self.backup_dir, number)
+                except _CorruptGeneration as e:
+                    warnings.warn(
+                        f"BackupAndRestore: generation {number} in "
+                        f"{self.backup_dir} is unusable ({e}); falling back "
+                        "to the previous one.",
+                        stacklevel=2,
+                    )
+                    continue
+                chosen = number
+                break
+        if self._multi_worker:
+            self._check_same_generation(chosen or 0)
+        if chosen is None:
+            return
+        self._check_compatible(state, chosen)
+        model = self.model
+        if not model.built:
+            raise ValueError(
+                f"Cannot restore from {self.backup_dir}: the model is not "
+                "built. Build it (e.g. give it a keras.Input) before fit()."
+            )
+        if model.optimizer is not None and not model.optimizer.built:
+            model.optimizer.build(model.trainable_variables)
+        local = tempfile.mkdtemp(prefix="keras_mgpu_restore_")
+        try:
+            for name, data in files.items():
+                with open(os.path.join(local, name), "wb") as f:
+                    f.write(data)
+            model.load_weights(os.path.join(local, _WEIGHTS))
+            with np.load(os.path.join(local, _EXTRA)) as extra:
+                for i, variable in enumerate(_unsaved_variables(model)):
+                    variable.assign(extra[f"arr_{i}"])
+        finally:
+            shutil.rmtree(local, ignore_errors=True)
+        compat.set_initial_epoch(model, state["epoch"])
+        self._resume_epoch = state["epoch"]
+        self._skip_until = state["step_in_epoch"]
+        self._global_step = self._last_saved_step = state["global_step"]
+        self._pending_callback_state = state["callbacks"]
+
+    def _check_compatible(self, state: dict, number: int) -> None:
+        where = f"generation {number} in {self.backup_dir}"
+        if state.get("format") != FORMAT_VERSION:
+            raise ValueError(
+                f"The backup ({where}) was written by keras-mgpu "
+                f"{state.get('keras_mgpu_version')} in format "
+                f"{state.get('format')}; this keras-mgpu ({_version()}) reads "
+                f"format {FORMAT_VERSION}. Resume with that version, or use "
+                "a new backup_dir. The backup was left untouched."
+            )
+        if state["architecture"] != _fingerprint(self.model):
+            raise ValueError(
+                f"The backup ({where}) was made by a model with different "
+                "variables (names, shapes or dtypes) than this one. Use a new "
+                "backup_dir for a new architecture, or restore the original "
+                "model code. The backup was left untouched."
+            )
+
+    def _check_same_generation(self, number: int) -> None:
+        total = _sum_over_workers(self._strategy, float(number))
+        expected = number * strategy_lib.num_workers()
+        if total != expected:
+            raise RuntimeError(
+                f"Workers see different backups in {self.backup_dir} (this "
+                f"worker: generation {number}). backup_dir must be storage "
+                "that every worker reads the same, e.g. a shared filesystem "
+                "or gs://."
+            )
+
+    # --- batch skipping -----------------------------------------------------
+
+    def _skip_batches(self, iterator):
+        # Stands in for `model.train_function` on batches the interrupted run
+        # already trained on: consume them, train nothing.
+        for _ in range(self._to_skip):
+            next(iterator)
+        return self.model.get_metrics_result()
+
+    # --- SIGTERM ------------------------------------------------------------
+
+    def _install_sigterm_handler(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            warnings.warn(
+                "BackupAndRestore(save_on_sigterm=True) needs fit() on the "
+                "main thread to catch SIGTERM; it will not save on SIGTERM.",
+                stacklevel=2,
+            )
+            return
+        self._sigterm.clear()
+        self._previous_handler = signal.signal(
+            signal.SIGTERM, lambda signum, frame: self._sigterm.set()
+        )
+
+    def _uninstall_sigterm_handler(self) -> None:
+        if self._previous_handler is not None:
+            signal.signal(signal.SIGTERM, self._previous_handler)
+            self._previous_handler = None
+
+    def _sigterm_agreed(self) -> bool:
+        mine = 1.0 if self._sigterm.is_set() else 0.0
+        if not self._multi_worker:
+            return bool(mine)
+        # All workers must save together (saving is a collective), so one
+        # worker's notice stops them all at the same batch.
+        return _sum_over_workers(self._strategy, mine) > 0
+
+
+class _CorruptGeneration(Exception):
+    pass
+
+
+def _write_file(path: str, data: bytes) -> None:
+    with tf.io.gfile.GFile(path, "wb") as f:
+        f.write(data)
+
+
+def _read_file(path: str) -> bytes:
+    with tf.io.gfile.GFile(path, "rb") as f:
+        return f.read()
+
+
+def _join(*parts: str) -> str:
+    return "/".join(p.rstrip("/") for p in parts)
+
+
+def _entries(directory: str) -> list:
+    if not tf.io.gfile.exists(directory):
+        return []
+    return [name.rstrip("/") for name in tf.io.gfile.listdir(directory)]
+
+
+def _generation_dir(directory: str, number: int) -> str:
+    return _join(directory, f"{_GENERATION_PREFIX}{number:08d}")
+
+
+def _generations(directory: str) -> list:
+    """Committed generation numbers, newest first."""
+    numbers = []
+    for name in _entries(directory):
+        suffix = name[len(_GENERATION_PREFIX):]
+        if name.startswith(_GENERATION_PREFIX) and suffix.isdigit():
+            numbers.append(int(suffix))
+    return sorted(numbers, reverse=True)
+
+
+def _remove_stale_tmp(directory: str) -> None:
+    # Left by a save that was killed before its rename.
+    for name in _entries(directory):
+        if name.startswith(_TMP_PREFIX):
+            tf.io.gfile.rmtree(_join(directory, name))
+
+
+def _read_generation(directory: str, number: int):
+    path = _generation_dir(directory, number)
+    try:
+        manifest = json.loads(_read_file(_join(path, _MANIFEST)))
+        contents = {}
+        for name, expected in manifest["files"].items():
+            data = _read_file(_join(path, name))
+            if len(data) != expected["size"]:
+                raise _CorruptGeneration(
+                    f"{name} has {len(data)} bytes, the manifest says "
+                    f"{expected['size']}"
+                )
+            if hashlib.sha256(data).hexdigest() != expected["sha256"]:
+                raise _CorruptGeneration(f"{name} fails its checksum")
+            contents[name] = data
+        return json.loads(contents.pop(_STATE)), contents
+    except _CorruptGeneration:
+        raise
+    except (tf.errors.OpError, OSError, ValueError, KeyError) as e:
+        raise _CorruptGeneration(f"{type(e).__name__}: {e}") from None
+
+
+def _check_writable(directory: str) -> None:
+    probe = _join(directory, f"{_TMP_PREFIX}probe-{uuid.uuid4().hex}")
+    try:
+        tf.io.gfile.makedirs(directory)
+        _write_file(probe, b"")
+        tf.io.gfile.remove(probe)
+    except (tf.errors.OpError, OSError) as e:
+        raise PermissionError(
+            f"BackupAndRestore cannot write to backup_dir={directory!r} "
+            f"({type(e).__name__}: {e}). Choose a writable directory; any "
+            "backup already there was left untouched."
+        ) from None
+
+
+def _unsaved_variables(model) -> list:
+    """Model variables that `save_weights` leaves out: RNG seed states."""
+    saved = {id(v) for v in model.weights}
+    return [v for v in model.variables if id(v) not in saved]
+
+
+def _fingerprint(model) -> str:
+    # Shapes and dtypes in order, not names: Keras numbers layer names per
+    # process, so the same architecture can be named differently.
+    spec = [
+        (tuple(v.shape), keras.backend.standardize_dtype(v.dtype))
+        for v in model.weights
+    ]
+    return hashlib.sha256(repr(spec).encode()).hexdigest()
+
+
+def _stateful_callbacks(callbacks) -> list:
+    """(class name, attributes, callback) for callbacks whose state matters."""
+    found = []
+    for callback in callbacks:
+        for cls, attributes in _CALLBACK_STATE.items():
+            if isinstance(callback, cls):
+                found.append((cls.__name__, attributes, callback))
+                break
+    return found
+
+
+def _get_callback_state(callbacks) -> list:
+    return [
+        {"class": name, "values": {a: _plain(getattr(callback, a, None))
+                                   for a in attributes}}
+        for name, attributes, callback in _stateful_callbacks(callbacks)
+    ]
+
+
+def _set_callback_state(callbacks, states) -> None:
+    # The k-th EarlyStopping of this run gets the k-th one's state, and so
+    # on: other callbacks may come and go between runs.
+    current = _stateful_callbacks(callbacks)
+    if [name for name, _, _ in current] != [s["class"] for s in states]:
+        warnings.warn(
+            "BackupAndRestore: the run has other stateful callbacks "
+            f"({[name for name, _, _ in current]}) than the backed-up run "
+            f"({[s['class'] for s in states]}); their state was not restored.",
+            stacklevel=2,
+        )
+        return
+    for (_, _, callback), state in zip(current, states):
+        for attribute, value in state["values"].items():
+            setattr(callback, attribute, value)
+
+
+def _plain(value):
+    if isinstance(value, (np.generic, np.ndarray)):
+        return value.tolist()
+    return value
+
+
+def _sum_over_workers(strategy, value: float) -> float:
+    """A real all-reduce of one number across every replica."""
+    per_replica = strategy.run(
+        lambda: tf.distribute.get_replica_context().all_reduce(
+            tf.distribute.ReduceOp.SUM, tf.constant(value, tf.float32)
+        )
+    )
+    total = strategy.experimental_local_results(per_replica)[0].numpy()
+    # Each worker's value was contributed by each of its local replicas.
+    return float(total) / len(strategy.extended.worker_devices)
+
+
+def _version() -> str:
+    import keras_mgpu
+
+    return keras_mgpu.__version__

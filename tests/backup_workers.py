@@ -1,0 +1,81 @@
+"""Training programs for BackupAndRestore's crash-and-resume tests.
+
+Each is a worker entry point (run by `keras_mgpu.launcher`): it creates its
+strategy first, prints `STEP <n>;` after every batch so a test can kill it at
+a chosen step, and returns the final weights.
+"""
+
+import numpy as np
+
+
+import time
+
+
+def train(backup_dir, preset="preemptible", save_freq=4, accum_steps=None,
+          epochs=3, steps=8, slow_save_after=None, pause_at=None,
+          virtual_cpus=None, **overrides):
+    import keras_mgpu
+
+    strategy = keras_mgpu.auto_strategy(virtual_cpus=virtual_cpus)
+
+    import keras
+    import tensorflow as tf
+
+    from keras_mgpu.callbacks import BackupAndRestore, backup_and_restore
+    from tests import workers
+
+    write = backup_and_restore._write_file
+
+    def slow_write(path, data):
+        # Stretches a save, so a test can kill the process in the middle of
+        # writing a generation.
+        write(path, data)
+        print(f"WROTE {path.rsplit('/', 1)[-1]};", flush=True)
+        time.sleep(1.0)
+
+    keras.utils.set_random_seed(0)
+    global_batch = 16
+    x, y = workers.regression_data(global_batch * steps)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch)
+    with strategy.scope():
+        inner = keras.Sequential([
+            keras.Input((workers.FEATURES,)),
+            keras.layers.Dense(16, activation="tanh"),
+            keras.layers.Dropout(0.3, seed=1),
+            keras.layers.Dense(1),
+        ])
+        inner.set_weights(workers.initial_weights(inner))
+        model = inner
+        if accum_steps:
+            model = keras_mgpu.GradientAccumulationModel(
+                inner, accum_steps=accum_steps)
+        model.compile(keras.optimizers.Adam(0.01), "mse")
+
+    epoch_step = [0]
+
+    def on_epoch_begin(epoch, logs):
+        epoch_step[0] = epoch * steps
+
+    def on_batch_end(batch, logs):
+        print(f"STEP {epoch_step[0]};", flush=True)
+        if epoch_step[0] == pause_at:
+            # Hold still at this step until the test's signal arrives.
+            for _ in range(600):
+                if backup._sigterm.is_set():
+                    break
+                time.sleep(0.1)
+        epoch_step[0] += 1
+        if slow_save_after is not None and epoch_step[0] > slow_save_after:
+            backup_and_restore._write_file = slow_write
+
+    backup = BackupAndRestore.from_preset(preset, backup_dir,
+                                          save_freq=save_freq, **overrides)
+    model.fit(dataset, epochs=epochs, verbose=0, shuffle=False, callbacks=[
+        keras.callbacks.LambdaCallback(on_epoch_begin=on_epoch_begin),
+        backup,
+        keras.callbacks.LambdaCallback(on_batch_end=on_batch_end),
+    ])
+    return {
+        "weights": [np.asarray(w).tolist() for w in model.get_weights()],
+        "iterations": int(model.optimizer.iterations.numpy()),
+    }
