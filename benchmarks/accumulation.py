@@ -37,6 +37,8 @@ import numpy as np
 
 # Runnable as a plain script from a checkout: the package lives one level up.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# TensorFlow's C++ info lines would bury the progress lines and the table.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras_mgpu  # noqa: E402  (sets KERAS_BACKEND before keras loads)
 from keras_mgpu import strategy as strategy_lib  # noqa: E402
@@ -63,7 +65,7 @@ class Result:
     accum_steps: int
     global_micro_batch: int
     steps: int
-    epoch_seconds: list
+    epoch_seconds: list[float]
     ms_per_micro_batch: float = 0.0
     samples_per_second: float = 0.0
     spread: float = 0.0
@@ -78,7 +80,7 @@ class Result:
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    def int_list(text: str) -> list:
+    def int_list(text: str) -> list[int]:
         try:
             values = [int(v) for v in text.split(",") if v.strip()]
         except ValueError:
@@ -89,7 +91,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             )
         return sorted(set(values))
 
-    def model_list(text: str) -> list:
+    def model_list(text: str) -> list[str]:
         names = [v.strip() for v in text.split(",") if v.strip()]
         unknown = sorted(set(names) - set(MODELS))
         if not names or unknown:
@@ -103,11 +105,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "gradient_accumulation_steps and GradientAccumulationModel.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--models", type=model_list, default=list(MODELS),
+    parser.add_argument("--models", type=model_list, default=",".join(MODELS),
                         help="comma-separated: mlp,convnet")
-    parser.add_argument("--accum", type=int_list, default=[1, 4, 8],
+    parser.add_argument("--accum", type=int_list, default="1,4,8",
                         help="accumulation steps N, comma-separated")
-    parser.add_argument("--replicas", type=int_list, default=[1, 2],
+    parser.add_argument("--replicas", type=int_list, default="1,2",
                         help="replica counts, comma-separated (logical CPUs "
                              "without GPUs)")
     parser.add_argument("--epochs", type=int, default=3,
@@ -129,7 +131,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
-def make_strategies(replicas: Sequence[int]) -> dict:
+def make_strategies(replicas: Sequence[int]) -> dict[int, tf.distribute.Strategy]:
     """Maps each replica count to its strategy.
 
     Must run before any other TensorFlow call: the CPU can only be split into
@@ -196,13 +198,13 @@ class EpochTimer(keras.callbacks.Callback):
 
     def __init__(self) -> None:
         super().__init__()
-        self.seconds: list = []
+        self.seconds: list[float] = []
         self._start = 0.0
 
-    def on_epoch_begin(self, epoch, logs=None):
+    def on_epoch_begin(self, epoch: int, logs: Optional[dict] = None) -> None:
         self._start = time.perf_counter()
 
-    def on_epoch_end(self, epoch, logs=None):
+    def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
         self.seconds.append(time.perf_counter() - self._start)
 
 
@@ -247,10 +249,10 @@ def train_epoch(model: keras.Model, dataset: tf.data.Dataset) -> float:
 def run_group(
     model_name: str,
     strategy: tf.distribute.Strategy,
-    configs: Sequence,
+    configs: Sequence[tuple[str, int]],
     dataset: tf.data.Dataset,
     epochs: int,
-) -> list:
+) -> list[list[float]]:
     """Times every (config, N) of one model and replica count, interleaved.
 
     Each configuration is compiled and trained for one untimed warm-up epoch,
@@ -270,7 +272,7 @@ def run_group(
         model = compile_config(model_name, strategy, config, n)
         train_epoch(model, dataset)
         models.append(model)
-    seconds: list = [[] for _ in configs]
+    seconds: list[list[float]] = [[] for _ in configs]
     for round_index in range(epochs):
         for k in range(len(configs)):
             i = (k + round_index) % len(configs)
@@ -278,7 +280,7 @@ def run_group(
     return seconds
 
 
-def plan(args: argparse.Namespace) -> list:
+def plan(args: argparse.Namespace) -> list[tuple[str, int, list[tuple[str, int]]]]:
     """Groups of (model, replicas, [(config, N), ...]), plain fit first.
 
     Single-replica groups run first, before anything has used the
@@ -299,7 +301,7 @@ def plan(args: argparse.Namespace) -> list:
     return groups
 
 
-def find(results: list, model: str, replicas: int, config: str,
+def find(results: list[Result], model: str, replicas: int, config: str,
          accum_steps: int = 1) -> Optional[Result]:
     for r in results:
         if (r.model, r.replicas, r.config, r.accum_steps) == (
@@ -309,7 +311,7 @@ def find(results: list, model: str, replicas: int, config: str,
     return None
 
 
-def compute_ratios(results: list, args: argparse.Namespace) -> dict:
+def compute_ratios(results: list[Result], args: argparse.Namespace) -> dict:
     """The two target ratios, per model (and per N for the first)."""
     wrapper_vs_builtin = []
     for model in args.models:
@@ -340,7 +342,7 @@ def compute_ratios(results: list, args: argparse.Namespace) -> dict:
     }
 
 
-def format_table(results: list) -> str:
+def format_table(results: list[Result]) -> str:
     """A Markdown table, readable in a terminal too."""
     header = ("model", "replicas", "configuration", "N", "micro-batch",
               "ms/micro-batch", "samples/s", "vs plain", "spread")
@@ -407,7 +409,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
           "interleaved across the configurations of each model and replica "
           "count.\n")
 
-    results: list = []
+    results: list[Result] = []
     groups = plan(args)
     start = time.perf_counter()
     for i, (model_name, replicas, configs) in enumerate(groups, 1):
