@@ -214,6 +214,11 @@ class GradientAccumulationModel(keras.Model):
         """Micro-batches accumulated in the current window."""
         return int(self._micro_step.numpy())
 
+    @property
+    def grad_norm(self) -> float:
+        """Global norm of the last applied gradient, before clipping."""
+        return float(self._grad_norm.numpy())
+
     # --- Training -----------------------------------------------------------
 
     def train_step(self, data):

@@ -11,6 +11,7 @@ import contextlib
 import threading
 
 import keras
+import numpy as np
 from packaging.version import Version
 
 KERAS_VERSION = Version(keras.__version__)
@@ -260,3 +261,35 @@ def calling_callback_list(frame_depth: int = 2):
     if isinstance(owner, CallbackList):
         return list(owner.callbacks)
     return None
+
+
+# --- Telemetry (keras_mgpu.callbacks.DistributedLogger) ----------------------
+# Keras's `train_step` (and `compat.track_loss`) feeds the loss tracker with
+# `sample_weight=batch_size`, so the tracker's `count` is the number of
+# samples trained on since the metrics were last reset (each epoch).
+# Checked on 3.15.
+EXAMPLES_COUNT_WRITTEN_FOR = (Version("3.0.0"), Version("4.0.0.dev0"))
+
+
+def examples_count_supported(version: Version = KERAS_VERSION) -> bool:
+    """Whether Keras `version` counts samples in the loss tracker."""
+    low, high = EXAMPLES_COUNT_WRITTEN_FOR
+    return low <= version < high
+
+
+def examples_seen(model) -> float | None:
+    """Samples `fit` has trained on this epoch, over all replicas and workers.
+
+    Read in cross-replica context, the tracker's on-read variable is summed
+    over every replica; under MultiWorkerMirroredStrategy that is a
+    collective, so every worker must call this at the same point. `None`
+    when the model has no Keras loss tracker (e.g. a custom `train_step`
+    that does not feed it) or Keras is outside the checked versions.
+    """
+    if not examples_count_supported():
+        return None
+    tracker = getattr(model, "_loss_tracker", None)
+    count = getattr(tracker, "count", None)
+    if count is None:
+        return None
+    return float(np.asarray(keras.ops.convert_to_numpy(count)))

@@ -405,6 +405,22 @@ def _check_custom_variables(layers) -> list[Finding]:
 # --- Loss-scale telemetry ----------------------------------------------------
 
 
+def loss_scale(optimizer) -> float | None:
+    """The current dynamic loss scale of `optimizer`, or None if not loss-scaled.
+
+    Example:
+
+    >>> import keras
+    >>> loss_scale(keras.optimizers.SGD()) is None
+    True
+    """
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        if not optimizer.built:
+            return float(optimizer.initial_scale)
+        return float(np.asarray(optimizer.dynamic_scale))
+    return None
+
+
 class LossScaleMonitor(keras.callbacks.Callback):
     """Logs the loss scale and the optimizer steps skipped for overflow.
 
@@ -473,12 +489,6 @@ class LossScaleMonitor(keras.callbacks.Callback):
     def _iterations(self) -> int:
         return int(self._optimizer().iterations.numpy())
 
-    def _read_scale(self) -> float | None:
-        optimizer = self._optimizer()
-        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-            return float(np.asarray(optimizer.dynamic_scale))
-        return None
-
     def on_train_begin(self, logs=None):
         self._last_iterations = self._iterations()
         self.consecutive_skips = 0
@@ -511,7 +521,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
             else:
                 self.consecutive_skips = 0
             self._last_iterations = iterations
-        self.loss_scale = self._read_scale()
+        self.loss_scale = loss_scale(self._optimizer())
         self._check_scale()
         self._add_to(logs)
 

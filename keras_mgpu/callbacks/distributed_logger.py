@@ -1,0 +1,621 @@
+"""`DistributedLogger`: chief-only training telemetry for distributed `fit`."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import time
+import warnings
+from typing import Optional, Union
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_mgpu import compat
+from keras_mgpu import strategy as strategy_lib
+from keras_mgpu import mixed_precision
+
+# Every JSONL line has exactly these keys, in this order; a value that cannot
+# be measured in this run is `null`.
+JSONL_KEYS = (
+    "kind",  # "window" (every `update_freq` steps) or "epoch"
+    "epoch",  # 0-based epoch index
+    "step",  # train batches seen by this callback when the record closed
+    "steps",  # batches in the record
+    "time",  # Unix time when the record closed
+    "seconds",  # wall time of the record: first batch begin to last batch done
+    "examples",  # samples trained on in the record, all replicas and workers
+    "examples_per_sec",  # examples / seconds
+    "examples_per_sec_per_replica",  # examples_per_sec / replicas
+    "step_time_mean",  # seconds / steps
+    "step_time_max",  # longest batch-begin to next-batch-begin interval
+    "learning_rate",  # the optimizer's, schedules evaluated at its iterations
+    "loss_scale",  # LossScaleOptimizer's dynamic scale, else null
+    "skipped_steps",  # optimizer steps skipped for overflow in the record
+    "grad_norm",  # GradientAccumulationModel's last applied gradient norm
+    "accum_step",  # GradientAccumulationModel's micro-batches in its window
+    "memory",  # {"GPU0": {"current_bytes", "peak_bytes"}}; {} without GPUs
+    "workers",  # training worker processes
+    "replicas",  # replicas in sync, over all workers
+    "worker_step_time",  # {"min", "mean", "max"} of step_time_mean by worker
+    "worker_examples_per_sec",  # {"min", "mean", "max"} by worker
+    "slowest_worker",  # rank with the largest step_time_mean
+    "metrics",  # loss and compiled metrics, global values (val_* at epochs)
+)
+
+_INSTALL_HINT = 'pip install "keras-mgpu[wandb]"'
+
+
+class DistributedLogger(keras.callbacks.Callback):
+    """Logs throughput, timing and training state, written by the chief only.
+
+    Every `update_freq` train batches (a "window") and at every epoch end,
+    it measures:
+    - loss and compiled metrics, global over replicas and workers (the
+      values Keras's own logs give at that batch);
+    - examples/s, global and per replica, from the samples actually trained
+      on (steps skipped for overflow still count as work);
+    - step time: mean (window wall time / steps) and max;
+    - learning rate (through `LossScaleOptimizer` and schedules), loss scale
+      and skipped steps under `mixed_float16`, current and peak memory per
+      local GPU (peak reset every record), and `grad_norm` / `accum_step` of
+      a `keras_mgpu.GradientAccumulationModel`;
+    - across workers: min/mean/max of step time and examples/s, and the rank
+      of the slowest worker.
+
+    Only the chief writes: TensorBoard scalars (`<log_dir>/train`), one JSON
+    object per record in `<log_dir>/metrics.jsonl` (keys: `JSONL_KEYS`), a
+    wandb run and profiler traces. Other workers create nothing, but run the
+    same reads at the same batches, since reading global metrics and the
+    cross-worker figures are collectives that every worker must join.
+
+    Cost: nothing is read from the device between records. The callback
+    only hooks batch *begin*, so Keras does not convert per-batch logs for
+    it and may dispatch other callbacks' batch ends asynchronously. A record
+    closes at the next batch's begin (or at validation/epoch end): it reads
+    the metrics, which waits for the device, then stamps the time.
+
+    Examples are counted from Keras's loss tracker, which `fit` feeds with
+    each batch's real size (the last short batch included). A model whose
+    custom `train_step` does not feed it needs `batch_size`.
+
+    Input wait is not reported: `fit` fetches each batch inside its compiled
+    train function, so no callback can time the wait for the input pipeline
+    apart from compute. Profile a few steps (`profile_steps`) and read
+    TensorBoard's Profile > input-pipeline analysis, which does measure it.
+
+    Args:
+        log_dir: Directory for all output (created on the chief only).
+        update_freq: Defaults to 100. Train batches per window record, a
+            positive integer, or `"epoch"` for epoch records only. Windows
+            restart at every epoch; the last one of an epoch may be shorter.
+        batch_size: Defaults to `None`: count samples from the loss tracker.
+            A global batch size (all replicas and workers) to count
+            `batch_size * steps` instead.
+        wandb: Defaults to `None` (no wandb). `True`, or a dict of
+            `wandb.init` arguments (e.g. `{"project": "demo"}`), to log every
+            record to a wandb run on the chief; `dir` defaults to `log_dir`.
+            Respects `WANDB_MODE=offline`. Needs `pip install
+            "keras-mgpu[wandb]"`.
+        profile_steps: Defaults to `None`. `(start, stop)`: capture a
+            TensorBoard/xprof profile on the chief from train batch `start`
+            to batch `stop`, both included, counted from 1 over the whole
+            training, into `<log_dir>/train/plugins/profile/`.
+        console: Defaults to `True`. Print a one-line summary per epoch on
+            the chief (after Keras's progress bar has finished its line).
+
+    Example:
+
+    >>> import json, os, tempfile, numpy as np, keras
+    >>> from keras_mgpu.callbacks.distributed_logger import (
+    ...     DistributedLogger, JSONL_KEYS)
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    >>> model.compile(optimizer="sgd", loss="mse")
+    >>> log_dir = tempfile.mkdtemp()
+    >>> _ = model.fit(np.ones((64, 4)), np.ones((64, 1)), batch_size=8,
+    ...               verbose=0, callbacks=[DistributedLogger(
+    ...                   log_dir, update_freq=4, console=False)])
+    >>> with open(os.path.join(log_dir, "metrics.jsonl")) as f:
+    ...     records = [json.loads(line) for line in f]
+    >>> [(r["kind"], r["steps"], r["examples"]) for r in records]
+    [('window', 4, 32.0), ('window', 4, 32.0), ('epoch', 8, 64.0)]
+    >>> tuple(records[0]) == JSONL_KEYS
+    True
+    """
+
+    def __init__(
+        self,
+        log_dir: Union[str, os.PathLike],
+        update_freq: Union[int, str] = 100,
+        *,
+        batch_size: Optional[int] = None,
+        wandb: Union[None, bool, dict] = None,
+        profile_steps: Optional[tuple[int, int]] = None,
+        console: bool = True,
+    ):
+        super().__init__()
+        _validate(log_dir, update_freq, batch_size, wandb, profile_steps)
+        self.log_dir = os.fspath(log_dir)
+        self.update_freq = update_freq
+        self.batch_size = batch_size
+        self.wandb_config = None if wandb in (None, False) else (
+            {} if wandb is True else dict(wandb)
+        )
+        self.profile_steps = (
+            None if profile_steps is None else tuple(profile_steps)
+        )
+        self.console = console
+        self.global_step = 0
+        self._writer = None
+        self._jsonl = None
+        self._wandb_run = None
+        self._profiling = False
+        self._pending_console = None
+        self._summary_fns = {}
+
+    # --- Keras hooks ---------------------------------------------------------
+
+    def on_train_begin(self, logs=None):
+        self._strategy = self.model.distribute_strategy
+        multi = strategy_lib.is_multi_worker(self._strategy)
+        self._workers = strategy_lib.num_workers() if multi else 1
+        self._replicas = strategy_lib.num_replicas(self._strategy)
+        self._chief = strategy_lib.is_chief()
+        self._steps_per_call = int(getattr(self.model, "steps_per_execution", 1))
+        self._in_epoch = False
+        self._num_gpus = len(tf.config.list_logical_devices("GPU"))
+        _memory(self._num_gpus, reset=True)
+        if self._chief:
+            self._open_sinks()
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._flush_console()
+        self._epoch = epoch
+        self._in_epoch = True
+        self._epoch_record = None
+        # Keras reset the metrics just before this hook: the sample count
+        # starts at 0.
+        self._epoch_state = self._window_state = self._read_state(0.0)
+        self._epoch_start = self._window_start = None
+        self._epoch_steps = self._window_steps = 0
+        self._epoch_step_max = self._window_step_max = 0.0
+        self._last_begin = None
+
+    def on_train_batch_begin(self, batch, logs=None):
+        now = time.perf_counter()
+        if self._last_begin is not None:
+            self._note_step_time(now - self._last_begin)
+            if (
+                self.update_freq != "epoch"
+                and self._window_steps >= self.update_freq
+            ):
+                now = self._close_window(final=False)
+        if self._epoch_start is None:
+            self._epoch_start = now
+        if self._window_start is None:
+            self._window_start = now
+        self.global_step += self._steps_per_call
+        self._window_steps += self._steps_per_call
+        self._epoch_steps += self._steps_per_call
+        self._update_profiler()
+        self._last_begin = time.perf_counter() if self._profiling else now
+
+    def on_test_begin(self, logs=None):
+        # Validation runs after the epoch's last batch and before
+        # `on_epoch_end`: close the training figures before it starts (and
+        # before `evaluate` resets the metrics).
+        if self._in_epoch and self._epoch_record is None:
+            self._finish_epoch()
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self._epoch_record is None:
+            self._finish_epoch()
+        self._in_epoch = False
+        record = self._epoch_record
+        if record is None:
+            return
+        record["metrics"] = _floats(logs or {})
+        if self._chief:
+            self._write(record)
+            if self.console:
+                self._pending_console = _console_line(record)
+            if self.params.get("verbose") != 1:
+                self._flush_console()
+
+    def on_train_end(self, logs=None):
+        self._stop_profiler()
+        self._flush_console()
+        if self._chief:
+            self._close_sinks()
+
+    # --- Records -------------------------------------------------------------
+
+    def _note_step_time(self, seconds):
+        self._window_step_max = max(self._window_step_max, seconds)
+        self._epoch_step_max = max(self._epoch_step_max, seconds)
+
+    def _finish_epoch(self):
+        if self._epoch_steps == 0:
+            self._epoch_record = None
+            return
+        self._close_window(final=True)
+
+    def _close_window(self, final: bool) -> float:
+        """Reads, aggregates and writes a window; returns when it ended."""
+        # Reading the metrics waits for the device, so the time stamped after
+        # it includes all the window's work.
+        metrics = _floats(self.model.get_metrics_result())
+        state = self._read_state(compat.examples_seen(self.model))
+        end = time.perf_counter()
+        if self._last_begin is not None:
+            self._note_step_time(end - self._last_begin)
+            self._last_begin = None
+        window = self._measure(
+            self._window_state, state, self._window_start, end,
+            self._window_steps, self._window_step_max, final,
+        )
+        rows = [_worker_row(window)]
+        if final:
+            epoch = self._measure(
+                self._epoch_state, state, self._epoch_start, end,
+                self._epoch_steps, self._epoch_step_max, final,
+            )
+            rows.append(_worker_row(epoch))
+        gathered = self._gather(np.concatenate(rows))
+        window.update(_across_workers(gathered[:, 0:2]))
+        common = self._shared_fields(state)
+        if self.update_freq != "epoch":
+            record = _record("window", self._epoch, self.global_step, window,
+                             common, metrics)
+            if self._chief:
+                self._write(record)
+        if final:
+            epoch.update(_across_workers(gathered[:, 2:4]))
+            self._epoch_record = _record("epoch", self._epoch,
+                                         self.global_step, epoch, common, {})
+        self._window_state = state
+        self._window_start = None
+        self._window_steps = 0
+        self._window_step_max = 0.0
+        return time.perf_counter()
+
+    def _read_state(self, examples) -> dict:
+        optimizer = self.model.optimizer
+        # Iterations only matter for counting skipped steps.
+        loss_scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+        return {
+            "examples": examples,
+            "iterations": (
+                int(optimizer.iterations.numpy()) if loss_scaled else None
+            ),
+            "micro_step": _accumulation(self.model)[0],
+        }
+
+    def _measure(self, start, state, t0, t1, steps, step_max, final) -> dict:
+        seconds = max(t1 - t0, 1e-9)
+        if self.batch_size is not None:
+            examples = float(self.batch_size * steps)
+        elif state["examples"] is not None:
+            examples = state["examples"] - start["examples"]
+        else:
+            examples = None
+        per_sec = None if examples is None else examples / seconds
+        skipped = None
+        if isinstance(self.model.optimizer, keras.optimizers.LossScaleOptimizer):
+            expected = _expected_updates(
+                self.model, steps, start["micro_step"], state["micro_step"],
+                final,
+            )
+            skipped = max(
+                expected - (state["iterations"] - start["iterations"]), 0
+            )
+        return {
+            "steps": steps,
+            "seconds": seconds,
+            "examples": examples,
+            "examples_per_sec": per_sec,
+            "examples_per_sec_per_replica": (
+                None if per_sec is None else per_sec / self._replicas
+            ),
+            "step_time_mean": seconds / steps,
+            "step_time_max": step_max,
+            "skipped_steps": skipped,
+        }
+
+    def _shared_fields(self, state) -> dict:
+        optimizer = self.model.optimizer
+        grad_norm = _accumulation(self.model)[1]
+        return {
+            "learning_rate": _learning_rate(optimizer),
+            "loss_scale": mixed_precision.loss_scale(optimizer),
+            "grad_norm": grad_norm,
+            "accum_step": state["micro_step"],
+            "memory": _memory(self._num_gpus, reset=True),
+            "workers": self._workers,
+            "replicas": self._replicas,
+        }
+
+    def _gather(self, row: np.ndarray) -> np.ndarray:
+        """One row per worker, from every worker (a collective when > 1)."""
+        if self._workers == 1:
+            return row[None]
+        value = tf.constant(row[None], tf.float32)
+        distributed = self._strategy.experimental_distribute_values_from_function(
+            lambda _: tf.identity(value)
+        )
+        gathered = np.asarray(self._strategy.gather(distributed, axis=0))
+        # One row per replica, replicas numbered worker by worker.
+        return gathered.reshape(self._workers, -1, row.size)[:, 0]
+
+    # --- Sinks ---------------------------------------------------------------
+
+    def _open_sinks(self):
+        os.makedirs(self.log_dir, exist_ok=True)
+        self._writer = tf.summary.create_file_writer(
+            os.path.join(self.log_dir, "train")
+        )
+        self._jsonl = open(os.path.join(self.log_dir, "metrics.jsonl"), "a")
+        if self.wandb_config is not None and self._wandb_run is None:
+            import wandb
+
+            config = dict(self.wandb_config)
+            config.setdefault("dir", self.log_dir)
+            os.makedirs(config["dir"], exist_ok=True)
+            self._wandb_run = wandb.init(**config)
+
+    def _close_sinks(self):
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+            self._summary_fns = {}
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._wandb_run is not None:
+            self._wandb_run.finish()
+            self._wandb_run = None
+
+    def _write(self, record: dict) -> None:
+        self._jsonl.write(json.dumps(record) + "\n")
+        kind = record["kind"]
+        # Epoch scalars are stepped by epoch, as Keras's TensorBoard does.
+        step = record["epoch"] if kind == "epoch" else record["step"]
+        scalars = _scalars(record)
+        tags = tuple(f"{kind}/{tag}" for tag in scalars)
+        self._summary_fn(tags)(
+            tf.constant(list(scalars.values()), tf.float32),
+            tf.constant(step, tf.int64),
+        )
+        if kind == "epoch":
+            self._jsonl.flush()
+            self._writer.flush()
+        if self._wandb_run is not None:
+            self._wandb_run.log(
+                {f"{kind}/{tag}": v for tag, v in scalars.items()},
+                step=self.global_step,
+            )
+
+    def _summary_fn(self, tags: tuple):
+        """One compiled call writes a record's scalars (one per tag set)."""
+        if tags not in self._summary_fns:
+            writer = self._writer
+
+            @tf.function(autograph=False)
+            def write(values, step):
+                with writer.as_default(step=step):
+                    for i, tag in enumerate(tags):
+                        tf.summary.scalar(tag, values[i])
+
+            self._summary_fns[tags] = write
+        return self._summary_fns[tags]
+
+    def _flush_console(self):
+        if self._pending_console is not None:
+            print(self._pending_console, flush=True)
+            self._pending_console = None
+        self._summary_fns = {}
+
+    # --- Profiler ------------------------------------------------------------
+
+    def _update_profiler(self):
+        if self.profile_steps is None or not self._chief:
+            return
+        start, stop = self.profile_steps
+        if self._profiling and self.global_step > stop:
+            self._stop_profiler()
+        if not self._profiling and start <= self.global_step <= stop:
+            try:
+                tf.profiler.experimental.start(
+                    os.path.join(self.log_dir, "train")
+                )
+                self._profiling = True
+            except tf.errors.AlreadyExistsError:
+                warnings.warn(
+                    "DistributedLogger: another profiler is running; "
+                    f"profile_steps={self.profile_steps} is not captured.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                self.profile_steps = None
+
+    def _stop_profiler(self):
+        if self._profiling:
+            tf.profiler.experimental.stop()
+            self._profiling = False
+
+
+# --- Helpers -----------------------------------------------------------------
+
+
+def _validate(log_dir, update_freq, batch_size, wandb, profile_steps) -> None:
+    if not isinstance(log_dir, (str, os.PathLike)) or not os.fspath(log_dir):
+        raise TypeError(
+            f"log_dir must be a non-empty path, got {log_dir!r}."
+        )
+    if update_freq != "epoch" and (
+        isinstance(update_freq, bool)
+        or not isinstance(update_freq, int)
+        or update_freq < 1
+    ):
+        raise ValueError(
+            f"update_freq must be a positive integer (train batches per "
+            f"record) or 'epoch', got {update_freq!r}."
+        )
+    if batch_size is not None and (
+        isinstance(batch_size, bool)
+        or not isinstance(batch_size, int)
+        or batch_size < 1
+    ):
+        raise ValueError(
+            f"batch_size must be a positive integer (the global batch size) "
+            f"or None, got {batch_size!r}."
+        )
+    if wandb is not None and not isinstance(wandb, (bool, dict)):
+        raise TypeError(
+            f"wandb must be None, a bool or a dict of wandb.init arguments, "
+            f"got {wandb!r}."
+        )
+    if wandb not in (None, False) and importlib.util.find_spec("wandb") is None:
+        raise ImportError(
+            f"DistributedLogger(wandb={wandb!r}) needs the wandb package, "
+            f"which is not installed. Install it with: {_INSTALL_HINT}"
+        )
+    if profile_steps is not None:
+        ok = (
+            isinstance(profile_steps, (tuple, list))
+            and len(profile_steps) == 2
+            and all(
+                isinstance(s, int) and not isinstance(s, bool)
+                for s in profile_steps
+            )
+            and 1 <= profile_steps[0] <= profile_steps[1]
+        )
+        if not ok:
+            raise ValueError(
+                f"profile_steps must be a pair (start, stop) of batch numbers "
+                f"with 1 <= start <= stop, got {profile_steps!r}."
+            )
+
+
+def _floats(values) -> dict:
+    out = {}
+    for key, value in dict(values).items():
+        try:
+            out[key] = float(np.asarray(value))
+        except (TypeError, ValueError):
+            continue
+    return out
+
+
+def _accumulation(model) -> tuple[Optional[int], Optional[float]]:
+    """(`micro_step`, `grad_norm`) of a GradientAccumulationModel, else Nones."""
+    micro = getattr(model, "micro_step", None)
+    if micro is None:
+        return None, None
+    return int(micro), model.grad_norm
+
+
+def _expected_updates(model, steps, micro_start, micro_end, final) -> int:
+    """Optimizer updates the batches of a record should have made."""
+    if micro_start is None:
+        return steps
+    done, rest = divmod(micro_start + steps - micro_end, model.accum_steps)
+    # At epoch end the partial window is applied (counted), dropped or
+    # carried (then `micro_end` already holds it).
+    if final and rest and model.partial_window == "apply":
+        done += 1
+    return done
+
+
+def _learning_rate(optimizer) -> Optional[float]:
+    try:
+        # The property goes through LossScaleOptimizer and evaluates a
+        # schedule at the optimizer's iterations.
+        return float(np.asarray(optimizer.learning_rate))
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def _memory(num_gpus: int, reset: bool) -> dict:
+    """Current and peak bytes per local GPU; `{}` without GPUs."""
+    out = {}
+    for index in range(num_gpus):
+        device = f"GPU:{index}"
+        try:
+            info = tf.config.experimental.get_memory_info(device)
+            if reset:
+                tf.config.experimental.reset_memory_stats(device)
+        except (ValueError, tf.errors.OpError):
+            continue
+        out[f"GPU{index}"] = {
+            "current_bytes": int(info["current"]),
+            "peak_bytes": int(info["peak"]),
+        }
+    return out
+
+
+def _worker_row(measured: dict) -> np.ndarray:
+    per_sec = measured["examples_per_sec"]
+    return np.array(
+        [measured["step_time_mean"], np.nan if per_sec is None else per_sec],
+        dtype=np.float64,
+    )
+
+
+def _across_workers(rows: np.ndarray) -> dict:
+    step_time, per_sec = rows[:, 0], rows[:, 1]
+
+    def spread(values):
+        if np.isnan(values).any():
+            return None
+        return {"min": float(values.min()), "mean": float(values.mean()),
+                "max": float(values.max())}
+
+    return {
+        "worker_step_time": spread(step_time),
+        # Every worker's examples/s is the global figure measured over its
+        # own clock, divided by the number of workers.
+        "worker_examples_per_sec": spread(per_sec / len(rows)),
+        "slowest_worker": int(np.argmax(step_time)),
+    }
+
+
+def _record(kind, epoch, step, measured, common, metrics) -> dict:
+    values = {**measured, **common, "kind": kind, "epoch": epoch,
+              "step": step, "time": time.time(), "metrics": metrics}
+    return {key: values.get(key) for key in JSONL_KEYS}
+
+
+def _scalars(record: dict, prefix: str = "") -> dict:
+    """The numeric leaves of a record, keyed by their path."""
+    out = {}
+    for key, value in record.items():
+        if key in ("kind", "epoch", "step", "time"):
+            continue
+        tag = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_scalars(value, f"{tag}/"))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[tag] = float(value)
+    return out
+
+
+def _console_line(record: dict) -> str:
+    parts = [f"DistributedLogger epoch {record['epoch'] + 1}:"]
+    loss = record["metrics"].get("loss")
+    if loss is not None:
+        parts.append(f"loss {loss:.4g},")
+    if record["examples_per_sec"] is not None:
+        parts.append(
+            f"{record['examples_per_sec']:.0f} examples/s "
+            f"({record['examples_per_sec_per_replica']:.0f}/replica),"
+        )
+    parts.append(
+        f"step {1000 * record['step_time_mean']:.1f} ms mean, "
+        f"{1000 * record['step_time_max']:.1f} ms max"
+    )
+    if record["workers"] > 1:
+        parts.append(f"(slowest worker {record['slowest_worker']})")
+    return " ".join(parts)

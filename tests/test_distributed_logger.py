@@ -1,0 +1,269 @@
+"""DistributedLogger: records, sinks, chief-only output, profiling, errors."""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from keras_mgpu import GradientAccumulationModel
+from keras_mgpu.callbacks.distributed_logger import JSONL_KEYS
+from keras_mgpu.callbacks.distributed_logger import DistributedLogger
+from keras_mgpu.mixed_precision import LossScaleMonitor
+from tests import logger_workers, workers
+from tests.conftest import mirrored
+
+
+def read_jsonl(log_dir):
+    with open(os.path.join(log_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def read_scalars(log_dir):
+    """{tag: [(step, value), ...]} from the chief's TensorBoard events."""
+    scalars = {}
+    paths = glob.glob(os.path.join(log_dir, "train", "events.out.tfevents.*"))
+    assert paths, f"no events file under {log_dir}/train"
+    for path in paths:
+        for event in tf.compat.v1.train.summary_iterator(path):
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, []).append(
+                    (event.step, float(tf.make_ndarray(value.tensor))))
+    return scalars
+
+
+class BatchLogs(keras.callbacks.Callback):
+    """Records the logs Keras gives every batch end (forces a sync: tests only)."""
+
+    def __init__(self):
+        super().__init__()
+        self.logs = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.logs.append(dict(logs))
+
+
+def small_fit(strategy, log_dir, epochs=2, callbacks=(), validation=True,
+              **logger_kwargs):
+    # 100 samples in batches of 16: six full batches and a short one of 4.
+    x, y = workers.regression_data(100)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    with strategy.scope():
+        model = workers.build_mlp()
+        model.compile(keras.optimizers.Adam(0.01), "mse", metrics=["mae"])
+    logger = DistributedLogger(log_dir, **logger_kwargs)
+    batch_logs = BatchLogs()
+    history = model.fit(
+        dataset, epochs=epochs, verbose=0, shuffle=False,
+        validation_data=dataset.take(2) if validation else None,
+        callbacks=[logger, batch_logs, *callbacks])
+    return history, batch_logs.logs, logger
+
+
+def test_records_events_and_history_agree(tmp_path, capsys):
+    log_dir = str(tmp_path / "run")
+    history, batch_logs, _ = small_fit(mirrored(2), log_dir, update_freq=3)
+    records = read_jsonl(log_dir)
+
+    for record in records:
+        assert tuple(record) == JSONL_KEYS
+    windows = [r for r in records if r["kind"] == "window"]
+    epochs = [r for r in records if r["kind"] == "epoch"]
+    # 7 batches per epoch: windows of 3, 3 and 1, then the epoch record.
+    assert [r["kind"] for r in records] == (
+        ["window"] * 3 + ["epoch"]) * 2
+    assert [r["steps"] for r in windows] == [3, 3, 1] * 2
+    assert [r["step"] for r in windows] == [3, 6, 7, 10, 13, 14]
+    assert [r["examples"] for r in windows] == [48.0, 48.0, 4.0] * 2
+    assert [r["examples"] for r in epochs] == [100.0, 100.0]
+    for r in records:
+        assert r["examples_per_sec"] == pytest.approx(
+            r["examples"] / r["seconds"], rel=1e-9)
+        assert r["examples_per_sec_per_replica"] == pytest.approx(
+            r["examples_per_sec"] / 2, rel=1e-9)
+        assert r["step_time_mean"] == pytest.approx(r["seconds"] / r["steps"])
+        assert 0 < r["step_time_max"] <= r["seconds"]
+        assert (r["workers"], r["replicas"], r["slowest_worker"]) == (1, 2, 0)
+        assert r["worker_step_time"]["max"] == pytest.approx(
+            r["step_time_mean"])
+        assert r["learning_rate"] == pytest.approx(0.01)
+        assert r["memory"] == {}  # CPU only: no GPU figures, no error
+        assert r["loss_scale"] is None and r["skipped_steps"] is None
+    # The windows cover the epoch's training; the epoch's wall time also
+    # holds the logger's own writes between windows.
+    assert 0.5 * epochs[0]["seconds"] < sum(
+        r["seconds"] for r in windows[:3]) <= epochs[0]["seconds"]
+
+    # Window metrics are the values Keras logs at that batch; epoch metrics
+    # are History's (validation included).
+    for window in windows:
+        logs = batch_logs[window["step"] - 1]
+        assert window["metrics"]["loss"] == pytest.approx(logs["loss"],
+                                                          rel=1e-6)
+        assert window["metrics"]["mae"] == pytest.approx(logs["mae"],
+                                                         rel=1e-6)
+    for key in ("loss", "mae", "val_loss", "val_mae"):
+        np.testing.assert_allclose([r["metrics"][key] for r in epochs],
+                                   history.history[key], rtol=1e-6)
+
+    scalars = read_scalars(log_dir)
+    assert scalars["window/metrics/loss"] == [
+        (r["step"], pytest.approx(r["metrics"]["loss"])) for r in windows]
+    assert scalars["epoch/metrics/val_loss"] == [
+        (i, pytest.approx(v)) for i, v in enumerate(history.history["val_loss"])]
+    assert scalars["window/examples_per_sec"] == [
+        (r["step"], pytest.approx(r["examples_per_sec"], rel=1e-6))
+        for r in windows]
+    for tag in ("step_time_mean", "step_time_max", "learning_rate",
+                "worker_step_time/max", "slowest_worker"):
+        assert f"window/{tag}" in scalars and f"epoch/{tag}" in scalars
+
+    lines = [line for line in capsys.readouterr().out.splitlines()
+             if line.startswith("DistributedLogger")]
+    assert len(lines) == 2 and "examples/s" in lines[0]
+
+
+def test_epoch_records_only_and_explicit_batch_size(tmp_path):
+    log_dir = str(tmp_path / "run")
+    small_fit(mirrored(1), log_dir, epochs=1, validation=False,
+              update_freq="epoch", batch_size=16, console=False)
+    [record] = read_jsonl(log_dir)
+    # batch_size * steps: the short last batch is counted whole.
+    assert (record["kind"], record["steps"], record["examples"]) == (
+        "epoch", 7, 112.0)
+    assert record["replicas"] == 1
+
+
+def overflowing_run(model, log_dir, epochs=2):
+    """Float32 model, LossScaleOptimizer started at a scale that overflows."""
+    x, y = workers.regression_data(64)
+    y = 10 * y  # a loss near 100: scaled by 2**127, the gradients overflow
+    model.compile(keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(keras.optimizers.schedules.ExponentialDecay(
+            0.1, decay_steps=1, decay_rate=0.5)),
+        initial_scale=2.0 ** 127), "mse")
+    monitor = LossScaleMonitor()
+    model.fit(x, y, batch_size=8, epochs=epochs, verbose=0, shuffle=False,
+              callbacks=[monitor, DistributedLogger(log_dir, update_freq=3,
+                                                    console=False)])
+    return monitor, read_jsonl(log_dir)
+
+
+@pytest.mark.filterwarnings("ignore:LossScaleMonitor")
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_loss_scale_skipped_steps_and_schedule(tmp_path, accumulate):
+    model = workers.build_mlp()
+    if accumulate:
+        model = GradientAccumulationModel(model, accum_steps=2)
+    monitor, records = overflowing_run(model, str(tmp_path / "run"))
+    windows = [r for r in records if r["kind"] == "window"]
+    epochs = [r for r in records if r["kind"] == "epoch"]
+    epoch = epochs[-1]
+    # Agrees with LossScaleMonitor, which checks every batch.
+    assert 0 < monitor.skipped_steps_total < len(records) * 8
+    assert sum(r["skipped_steps"] for r in windows) == \
+        sum(r["skipped_steps"] for r in epochs) == monitor.skipped_steps_total
+    assert epoch["skipped_steps"] == monitor.skipped_steps
+    assert epoch["loss_scale"] == monitor.loss_scale
+    # Skipped steps still count as work.
+    assert epoch["examples"] == 64.0
+    iterations = int(model.optimizer.iterations.numpy())
+    assert epoch["learning_rate"] == pytest.approx(0.1 * 0.5 ** iterations)
+    if accumulate:
+        assert [r["accum_step"] for r in windows] == [1, 0, 0] * 2
+        assert epoch["grad_norm"] > 0
+    else:
+        assert epoch["grad_norm"] is None and epoch["accum_step"] is None
+
+
+def test_profile_steps_write_a_trace(tmp_path):
+    log_dir = str(tmp_path / "run")
+    small_fit(mirrored(1), log_dir, epochs=1, validation=False,
+              update_freq=4, profile_steps=(2, 3), console=False)
+    traces = glob.glob(os.path.join(log_dir, "train", "plugins", "profile",
+                                    "*", "*.xplane.pb"))
+    assert len(traces) == 1 and os.path.getsize(traces[0]) > 0
+
+
+def test_wandb_offline_run_lives_under_log_dir(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    log_dir = str(tmp_path / "run")
+    small_fit(mirrored(1), log_dir, epochs=1, validation=False,
+              update_freq=4, console=False,
+              wandb={"project": "keras-mgpu-test"})
+    runs = glob.glob(os.path.join(log_dir, "wandb", "offline-run-*"))
+    assert len(runs) == 1
+    assert glob.glob(os.path.join(runs[0], "*.wandb"))
+
+
+def test_chief_only_output_with_two_workers(run_workers, tmp_path):
+    results = run_workers(logger_workers.chief_only_logging,
+                          kwargs={"base_dir": str(tmp_path)})
+    chief, other = (r.result for r in results)
+    assert (chief["is_chief"], other["is_chief"]) == (True, False)
+    assert chief["exists"] and not other["exists"]
+    assert not os.path.exists(other["log_dir"])
+    assert glob.glob(os.path.join(chief["log_dir"], "train",
+                                  "events.out.tfevents.*"))
+    records = read_jsonl(chief["log_dir"])
+    # 128 samples / 32: four steps per epoch, windows of 2, two epochs.
+    assert [r["kind"] for r in records] == ["window", "window", "epoch"] * 2
+    for r in records:
+        assert (r["workers"], r["replicas"]) == (2, 2)
+        assert r["slowest_worker"] in (0, 1)
+        spread = r["worker_step_time"]
+        assert spread["min"] <= spread["mean"] <= spread["max"]
+        assert r["worker_examples_per_sec"]["max"] > 0
+    assert [r["examples"] for r in records if r["kind"] == "epoch"] == [
+        128.0, 128.0]
+    np.testing.assert_allclose(
+        [r["metrics"]["loss"] for r in records if r["kind"] == "epoch"],
+        chief["loss"], rtol=1e-6)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"update_freq": 0}, "update_freq must be a positive integer"),
+    ({"update_freq": "batch"}, "got 'batch'"),
+    ({"update_freq": True}, "got True"),
+    ({"profile_steps": (5, 2)}, "got (5, 2)"),
+    ({"profile_steps": 10}, "got 10"),
+    ({"profile_steps": (0, 2)}, "1 <= start <= stop"),
+    ({"batch_size": -8}, "batch_size must be a positive integer"),
+])
+def test_bad_arguments_are_named(tmp_path, kwargs, message):
+    with pytest.raises(ValueError) as info:
+        DistributedLogger(str(tmp_path), **kwargs)
+    assert message in str(info.value)
+
+
+def test_bad_wandb_argument_and_missing_wandb(tmp_path, monkeypatch):
+    with pytest.raises(TypeError, match="wandb must be None, a bool or a "
+                                        "dict.*got 'demo'"):
+        DistributedLogger(str(tmp_path), wandb="demo")
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "wandb"
+                        else real(name, *a))
+    with pytest.raises(ImportError, match=r'pip install "keras-mgpu\[wandb\]"'):
+        DistributedLogger(str(tmp_path), wandb={"project": "demo"})
+    # Not asked for: no wandb needed.
+    DistributedLogger(str(tmp_path), wandb=False)
+    assert not os.path.exists(tmp_path / "metrics.jsonl")
+
+
+def test_import_does_not_load_wandb():
+    code = ("import sys; import keras_mgpu.callbacks.distributed_logger; "
+            "print('LOADED', 'wandb' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "LOADED False" in proc.stdout
