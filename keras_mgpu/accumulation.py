@@ -224,11 +224,21 @@ class GradientAccumulationModel(keras.Model):
     def train_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         batch_size = tf.shape(next(t for t in tf.nest.flatten(x)))[0]
+        weight = tf.cast(batch_size, tf.float32)
+        loss_scaled = isinstance(
+            self.optimizer, keras.optimizers.LossScaleOptimizer
+        )
         with tf.GradientTape() as tape:
             y_pred = self(x, training=True)
             loss = compat.compute_loss(self, x, y, y_pred, sample_weight)
             compat.track_loss(self, loss, batch_size)
-            scaled_loss = self.optimizer.scale_loss(loss)
+            objective = self.optimizer.scale_loss(loss)
+            if not loss_scaled:
+                # Weighting the loss by the sample count costs one multiply;
+                # weighting every gradient costs a pass over the parameters.
+                # Not under a loss scale: it would push half-precision
+                # gradients n times closer to overflow.
+                objective = objective * tf.cast(weight, objective.dtype)
         variables = self.trainable_variables
         if tuple(id(v) for v in variables) != self._accumulated_ids:
             raise ValueError(
@@ -237,20 +247,26 @@ class GradientAccumulationModel(keras.Model):
                 "layer's `trainable` flag was flipped). Set `trainable` "
                 "before wrapping the model, then wrap and compile again."
             )
-        grads = tape.gradient(scaled_loss, variables)
+        grads = [
+            tf.zeros_like(v) if g is None
+            else tf.cast(tf.convert_to_tensor(g), _accumulator_dtype(v.dtype))
+            for g, v in zip(tape.gradient(objective, variables), variables)
+        ]
+        if loss_scaled:
+            grads = [g * weight for g in grads]
         if not self.optimizer.built:
             # Without a strategy scope Keras builds the optimizer lazily in
             # `apply`; the window update needs its variables first.
             self.optimizer.build(variables)
-        weight = tf.cast(batch_size, tf.float32)
-        for accumulator, grad in zip(self._accumulators, grads):
-            if grad is not None:
-                accumulator.assign_add(
-                    tf.cast(tf.convert_to_tensor(grad), accumulator.dtype)
-                    * weight
-                )
-        self._sample_count.assign_add(weight)
-        tf.distribute.get_replica_context().merge_call(self._end_micro_step)
+        context = tf.distribute.get_replica_context()
+        if self.accum_steps == 1:
+            # Every micro-batch is a whole window: skip the accumulators.
+            context.merge_call(self._apply_window, args=(grads + [weight],))
+        else:
+            for accumulator, grad in zip(self._accumulators, grads):
+                accumulator.assign_add(grad)
+            self._sample_count.assign_add(weight)
+            context.merge_call(self._end_micro_step)
         logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         logs["grad_norm"] = tf.identity(self._grad_norm.value)
         logs["accum_step"] = tf.identity(self._micro_step.value)
@@ -265,18 +281,24 @@ class GradientAccumulationModel(keras.Model):
             lambda: None,
         )
 
-    def _apply_window(self, strategy):
-        """Cross-replica: one all-reduce, then one optimizer update."""
+    def _apply_window(self, strategy, sums=None):
+        """Cross-replica: one all-reduce, then one optimizer update.
+
+        `sums`: per-replica weighted gradients and sample count, given
+        directly instead of read from the accumulators.
+        """
         num_replicas = strategy.num_replicas_in_sync
         variables = self.trainable_variables
 
-        def all_reduce():
-            local = []
-            for variable in self._accumulators + [self._sample_count]:
-                # Placed reads: a multi-worker all-reduce sends its result to
-                # the devices of its inputs, and needs them named.
-                with tf.device(variable.value.device):
-                    local.append(tf.identity(variable.value))
+        def all_reduce(local=None):
+            if local is None:
+                local = []
+                for variable in self._accumulators + [self._sample_count]:
+                    # Placed reads: a multi-worker all-reduce sends its
+                    # result to the devices of its inputs, and needs them
+                    # named.
+                    with tf.device(variable.value.device):
+                        local.append(tf.identity(variable.value))
             total = tf.distribute.get_replica_context().all_reduce(
                 tf.distribute.ReduceOp.SUM, local
             )
@@ -288,7 +310,9 @@ class GradientAccumulationModel(keras.Model):
                 for g, v in zip(total[:-1], variables)
             ]
 
-        grads = strategy.extended.call_for_each_replica(all_reduce)
+        grads = strategy.extended.call_for_each_replica(
+            all_reduce, args=() if sums is None else (sums,)
+        )
         first = [strategy.experimental_local_results(g)[0] for g in grads]
         optimizer = self.optimizer
         loss_scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
@@ -317,7 +341,8 @@ class GradientAccumulationModel(keras.Model):
                     lambda g: optimizer.apply(g, variables), args=(grads,)
                 )
         self._grad_norm.assign(norm)
-        self._reset_window()
+        if sums is None:
+            self._reset_window()
 
     def _reset_window(self):
         for accumulator in self._accumulators:
