@@ -21,6 +21,7 @@ _check_backend(keras.backend.backend())
 
 from keras_mgpu import callbacks  # noqa: E402,F401
 from keras_mgpu import compat  # noqa: E402,F401
+from keras_mgpu import data  # noqa: E402,F401
 from keras_mgpu import layers  # noqa: E402,F401
 from keras_mgpu import mixed_precision  # noqa: E402,F401
 from keras_mgpu import strategy  # noqa: E402,F401

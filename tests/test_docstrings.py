@@ -10,7 +10,7 @@ MODULES = ["keras_mgpu.strategy", "keras_mgpu.compat", "keras_mgpu.launcher",
            "keras_mgpu.accumulation", "keras_mgpu.mixed_precision",
            "keras_mgpu.layers.fp32_output_head",
            "keras_mgpu.callbacks.backup_and_restore",
-           "keras_mgpu.callbacks.distributed_logger"]
+           "keras_mgpu.callbacks.distributed_logger", "keras_mgpu.data"]
 
 
 @pytest.mark.parametrize("name", MODULES)
