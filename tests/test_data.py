@@ -1,7 +1,6 @@
 """keras_mgpu.data: sharded TFRecords written, verified and read back."""
 
 import json
-import os
 
 import numpy as np
 import pytest

@@ -154,6 +154,7 @@ class DistributedLogger(keras.callbacks.Callback):
         self._profiling = False
         self._pending_console = None
         self._summary_fns = {}
+        self._reader = None
 
     # --- Keras hooks ---------------------------------------------------------
 
@@ -166,6 +167,13 @@ class DistributedLogger(keras.callbacks.Callback):
         self._steps_per_call = int(getattr(self.model, "steps_per_execution", 1))
         self._in_epoch = False
         self._num_gpus = len(tf.config.list_logical_devices("GPU"))
+        self._freq = (
+            float("inf") if self.update_freq == "epoch" else self.update_freq
+        )
+        self._profile = self.profile_steps is not None and self._chief
+        # Traced at the first window close of this fit: the model's metrics
+        # and the optimizer exist by then.
+        self._reader = None
         _memory(self._num_gpus, reset=True)
         if self._chief:
             self._open_sinks()
@@ -179,28 +187,36 @@ class DistributedLogger(keras.callbacks.Callback):
         # starts at 0.
         self._epoch_state = self._window_state = self._read_state(0.0)
         self._epoch_start = self._window_start = None
-        self._epoch_steps = self._window_steps = 0
+        self._epoch_first_step = self.global_step
+        self._window_steps = 0
         self._epoch_step_max = self._window_step_max = 0.0
         self._last_begin = None
 
     def on_train_batch_begin(self, batch, logs=None):
+        # The hot path: a clock read, a comparison and counters. Everything
+        # else waits for the window to close.
         now = time.perf_counter()
-        if self._last_begin is not None:
-            self._note_step_time(now - self._last_begin)
-            if (
-                self.update_freq != "epoch"
-                and self._window_steps >= self.update_freq
-            ):
+        last = self._last_begin
+        if last is not None:
+            if now - last > self._window_step_max:
+                self._window_step_max = now - last
+            if self._window_steps >= self._freq:
                 now = self._close_window(final=False)
-        if self._epoch_start is None:
+        elif self._epoch_start is None:
             self._epoch_start = now
         if self._window_start is None:
             self._window_start = now
         self.global_step += self._steps_per_call
         self._window_steps += self._steps_per_call
-        self._epoch_steps += self._steps_per_call
-        self._update_profiler()
-        self._last_begin = time.perf_counter() if self._profiling else now
+        if self._profile:
+            self._update_profiler()
+            if self._profiling:
+                now = time.perf_counter()
+        self._last_begin = now
+
+    @property
+    def _epoch_steps(self) -> int:
+        return self.global_step - self._epoch_first_step
 
     def on_test_begin(self, logs=None):
         # Validation runs after the epoch's last batch and before
@@ -232,10 +248,6 @@ class DistributedLogger(keras.callbacks.Callback):
 
     # --- Records -------------------------------------------------------------
 
-    def _note_step_time(self, seconds):
-        self._window_step_max = max(self._window_step_max, seconds)
-        self._epoch_step_max = max(self._epoch_step_max, seconds)
-
     def _finish_epoch(self):
         if self._epoch_steps == 0:
             self._epoch_record = None
@@ -246,12 +258,20 @@ class DistributedLogger(keras.callbacks.Callback):
         """Reads, aggregates and writes a window; returns when it ended."""
         # Reading the metrics waits for the device, so the time stamped after
         # it includes all the window's work.
-        metrics = _floats(self.model.get_metrics_result())
-        state = self._read_state(compat.examples_seen(self.model))
+        read = self._read_window()
+        metrics = read["metrics"]
+        state = {
+            "examples": read["examples"],
+            "iterations": read["iterations"],
+            "micro_step": read["micro_step"],
+        }
         end = time.perf_counter()
         if self._last_begin is not None:
-            self._note_step_time(end - self._last_begin)
+            self._window_step_max = max(self._window_step_max,
+                                        end - self._last_begin)
             self._last_begin = None
+        self._epoch_step_max = max(self._epoch_step_max,
+                                   self._window_step_max)
         window = self._measure(
             self._window_state, state, self._window_start, end,
             self._window_steps, self._window_step_max, final,
@@ -265,7 +285,7 @@ class DistributedLogger(keras.callbacks.Callback):
             rows.append(_worker_row(epoch))
         gathered = self._gather(np.concatenate(rows))
         window.update(_across_workers(gathered[:, 0:2]))
-        common = self._shared_fields(state)
+        common = self._shared_fields(read)
         if self.update_freq != "epoch":
             record = _record("window", self._epoch, self.global_step, window,
                              common, metrics)
@@ -324,14 +344,51 @@ class DistributedLogger(keras.callbacks.Callback):
             "skipped_steps": skipped,
         }
 
-    def _shared_fields(self, state) -> dict:
+    def _read_window(self) -> dict:
+        """Everything a window reads from the device, in one compiled call.
+
+        Metrics, sample count, iterations, learning rate, loss scale and the
+        accumulation state come back from one cached `tf.function` (one
+        dispatch, one wait for the device) instead of a dozen eager reads.
+        Reading the replica-summed metrics is a collective under
+        MultiWorkerMirroredStrategy: every worker calls this at the same
+        window boundaries.
+        """
         optimizer = self.model.optimizer
-        grad_norm = _accumulation(self.model)[1]
+        if optimizer is not None and not optimizer.built:
+            # Nothing trained yet (e.g. every batch skipped by a resume):
+            # read eagerly, the variables may not exist.
+            return self._read_eagerly()
+        if self._reader is None:
+            self._reader = _make_reader(self.model)
+        raw = self._reader()
         return {
+            "metrics": _floats(raw["metrics"]),
+            "examples": _scalar(raw["examples"], float),
+            "iterations": _scalar(raw["iterations"], int),
+            "micro_step": _scalar(raw["micro_step"], int),
+            "grad_norm": _scalar(raw["grad_norm"], float),
+            "learning_rate": _scalar(raw["learning_rate"], float),
+            "loss_scale": _scalar(raw["loss_scale"], float),
+        }
+
+    def _read_eagerly(self) -> dict:
+        optimizer = self.model.optimizer
+        state = self._read_state(compat.examples_seen(self.model))
+        return {
+            "metrics": _floats(self.model.get_metrics_result()),
+            **state,
+            "grad_norm": _accumulation(self.model)[1],
             "learning_rate": _learning_rate(optimizer),
             "loss_scale": mixed_precision.loss_scale(optimizer),
-            "grad_norm": grad_norm,
-            "accum_step": state["micro_step"],
+        }
+
+    def _shared_fields(self, read) -> dict:
+        return {
+            "learning_rate": read["learning_rate"],
+            "loss_scale": read["loss_scale"],
+            "grad_norm": read["grad_norm"],
+            "accum_step": read["micro_step"],
             "memory": _memory(self._num_gpus, reset=True),
             "workers": self._workers,
             "replicas": self._replicas,
@@ -385,8 +442,8 @@ class DistributedLogger(keras.callbacks.Callback):
         scalars = _scalars(record)
         tags = tuple(f"{kind}/{tag}" for tag in scalars)
         self._summary_fn(tags)(
-            tf.constant(list(scalars.values()), tf.float32),
-            tf.constant(step, tf.int64),
+            np.fromiter(scalars.values(), np.float32, len(scalars)),
+            np.int64(step),
         )
         if kind == "epoch":
             self._jsonl.flush()
@@ -402,7 +459,12 @@ class DistributedLogger(keras.callbacks.Callback):
         if tags not in self._summary_fns:
             writer = self._writer
 
-            @tf.function(autograph=False)
+            # A fixed signature: traced once per tag set for the writer's
+            # lifetime (not per epoch), whatever the values and steps.
+            @tf.function(autograph=False, input_signature=(
+                tf.TensorSpec([len(tags)], tf.float32),
+                tf.TensorSpec([], tf.int64),
+            ))
             def write(values, step):
                 with writer.as_default(step=step):
                     for i, tag in enumerate(tags):
@@ -415,7 +477,6 @@ class DistributedLogger(keras.callbacks.Callback):
         if self._pending_console is not None:
             print(self._pending_console, flush=True)
             self._pending_console = None
-        self._summary_fns = {}
 
     # --- Profiler ------------------------------------------------------------
 
@@ -507,6 +568,53 @@ def _floats(values) -> dict:
         except (TypeError, ValueError):
             continue
     return out
+
+
+def _make_reader(model):
+    """A `tf.function` returning every value a window record reads."""
+    optimizer = model.optimizer
+    loss_scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+    tracker = getattr(model, "_loss_tracker", None)
+    count = (
+        getattr(tracker, "count", None)
+        if compat.examples_count_supported() else None
+    )
+    micro = getattr(model, "_micro_step", None)
+    norm = getattr(model, "_grad_norm", None)
+    if getattr(model, "micro_step", None) is None:
+        micro = norm = None
+
+    def learning_rate():
+        try:
+            # Through LossScaleOptimizer; a schedule is evaluated at the
+            # optimizer's iterations.
+            return tf.convert_to_tensor(optimizer.learning_rate)
+        except (AttributeError, TypeError, ValueError):
+            return None
+
+    def tensor(variable):
+        return None if variable is None else tf.identity(
+            keras.ops.convert_to_tensor(variable))
+
+    @tf.function(autograph=False)
+    def read():
+        return {
+            "metrics": model.get_metrics_result(),
+            "examples": tensor(count),
+            "iterations": tensor(optimizer.iterations) if loss_scaled else None,
+            "micro_step": tensor(micro),
+            "grad_norm": tensor(norm),
+            "learning_rate": learning_rate() if optimizer is not None else None,
+            "loss_scale": (
+                tensor(optimizer.dynamic_scale) if loss_scaled else None
+            ),
+        }
+
+    return read
+
+
+def _scalar(value, kind):
+    return None if value is None else kind(np.asarray(value))
 
 
 def _accumulation(model) -> tuple[Optional[int], Optional[float]]:
