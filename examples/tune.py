@@ -1,0 +1,88 @@
+"""Tunes a small digit classifier with KerasTuner on every local replica.
+
+Alone (`python examples/tune.py`) it runs the trials one after another under
+`keras_mgpu.auto_strategy()` (without GPUs: 2 logical CPUs). With
+`python examples/tune.py --parallel` it starts itself as a chief and one
+worker per device group (`--devices-per-trial`, default 1; on a host without
+GPUs: 2 CPU workers) through `keras_mgpu.tuner.launch`. Rerun the same
+command after a crash: finished trials are kept and the interrupted one
+resumes from its backup.
+"""
+
+import argparse
+import os
+import sys
+
+
+def build_model(hp):
+    import keras
+
+    model = keras.Sequential([
+        keras.Input((64,)),
+        keras.layers.Dense(hp.Choice("units", [32, 64]), activation="relu"),
+        keras.layers.Dense(10, activation="softmax"),
+    ])
+    model.compile(
+        keras.optimizers.Adam(
+            hp.Float("learning_rate", 1e-4, 3e-3, sampling="log")),
+        "sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model
+
+
+def main(directory="tune_runs"):
+    import keras_mgpu
+
+    # Listing physical devices does not initialise them: logical CPUs can
+    # still be configured afterwards.
+    strategy = keras_mgpu.auto_strategy(
+        virtual_cpus=None if _has_gpu() else 2)
+    import keras_tuner
+    import tensorflow as tf
+    from sklearn.datasets import load_digits
+
+    from keras_mgpu import tuner as mgpu_tuner
+
+    x, y = load_digits(return_X_y=True)
+    x = (x / 16.0).astype("float32")
+    train = tf.data.Dataset.from_tensor_slices((x[:1400], y[:1400])).batch(64)
+    val = tf.data.Dataset.from_tensor_slices((x[1400:], y[1400:])).batch(64)
+    hypermodel = mgpu_tuner.StrategyAwareHyperModel(
+        build_model, per_replica_batch_size=[16, 32], lr_scaling="linear",
+        accum_steps=[1, 2])
+    tuner = keras_tuner.RandomSearch(
+        hypermodel, objective="val_loss", max_trials=4, seed=0,
+        directory=directory, project_name="digits",
+        distribution_strategy=strategy)
+    tuner.search(train, validation_data=val, epochs=3, verbose=0)
+    if os.environ.get("KERASTUNER_TUNER_ID", "chief") == "chief":
+        best = tuner.oracle.get_best_trials(1)[0]
+        print("best:", best.hyperparameters.values,
+              {k: best.metrics.get_last_value(k)
+               for k in mgpu_tuner.EFFECTIVE_KEYS})
+
+
+def _has_gpu():
+    import tensorflow as tf
+
+    return bool(tf.config.list_physical_devices("GPU"))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--parallel", action="store_true")
+    parser.add_argument("--devices-per-trial", type=int, default=1)
+    parser.add_argument("--directory", default="tune_runs")
+    options = parser.parse_args()
+    if options.parallel and "KERASTUNER_TUNER_ID" not in os.environ:
+        from keras_mgpu import tuner as mgpu_tuner
+
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        gpus = mgpu_tuner.local_gpus()
+        results = mgpu_tuner.launch(
+            os.path.abspath(__file__), devices=gpus,
+            devices_per_trial=options.devices_per_trial,
+            num_workers=None if gpus else 2,
+            args=["--parallel", "--directory", options.directory])
+        print(results[0].stdout)
+    else:
+        main(options.directory)

@@ -1,0 +1,36 @@
+"""Every example runs, in its reduced --smoke form, as a user would run it."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(__file__)),
+                        "examples")
+
+
+def run_example(name, tmp_path, *args, timeout=300):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="-1")
+    env.pop("TF_CONFIG", None)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(EXAMPLES, name), "--smoke",
+         "--workdir", str(tmp_path), *args],
+        capture_output=True, text=True, timeout=timeout, env=env,
+        cwd=EXAMPLES)
+    assert proc.returncode == 0, (
+        f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc.stdout
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("accumulation.py", "optimizer steps in all: 12"),
+    ("mixed_precision.py", "output dtype: float32"),
+    ("logging_example.py", "tensorboard --logdir"),
+    ("backup.py", "optimizer steps: 90"),
+    ("data_pipeline.py", "records verified: 1437"),
+    ("custom_training_loop.py", "fit: same weights as the loop"),
+    ("multi_worker.py", '"replicas": 2'),
+])
+def test_example_runs(name, expected, tmp_path):
+    assert expected in run_example(name, tmp_path)
