@@ -1,62 +1,200 @@
-"""keras-mgpu demo: train a digit classifier on every local replica.
+"""keras-mgpu demo: every component together, on real handwritten digits.
+
+    make demo                               # or: python examples/demo.py
+    python examples/demo.py --workers 2     # the same on 2 local workers
 
 Runs on a laptop CPU (split into 2 logical devices) or on all local GPUs. The
-data is scikit-learn's bundled handwritten digits: nothing is downloaded.
+data is scikit-learn's bundled 8x8 digits: nothing is downloaded. It:
+1. picks a strategy (`auto_strategy`) and a precision policy (`set_policy`);
+2. writes the digits to sharded TFRecords and reads them back in parallel;
+3. tunes the hidden width and learning rate briefly (`StrategyAwareHyperModel`,
+   batch and learning rate scaled to the replicas);
+4. trains a model with a float32 output head (`FP32OutputHead`) inside
+   `GradientAccumulationModel`, logging to TensorBoard and JSONL
+   (`DistributedLogger`) and backing up with the "preemptible" preset;
+5. reports held-out accuracy, throughput and where the logs are.
 
-    make demo
+Press Ctrl-C during training and run it again: it resumes where it stopped.
 """
 
+import argparse
+import json
+import os
+import shutil
+import sys
 import time
 
-import numpy as np
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
 
-import keras_mgpu
 
-# The strategy comes first: it may have to configure devices.
-import tensorflow as tf  # noqa: E402
+def run(workdir: str, epochs: int, trials: int) -> dict:
+    """The demo's training program (one worker's, under --workers)."""
+    import keras_mgpu
 
-NO_GPU = not tf.config.list_physical_devices("GPU")
-strategy = keras_mgpu.auto_strategy(virtual_cpus=2 if NO_GPU else None)
+    import tensorflow as tf
 
-import keras  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
+    multi_worker = keras_mgpu.num_workers() > 1
+    no_gpu = not tf.config.list_physical_devices("GPU")
+    # The strategy comes first: it may have to configure devices.
+    strategy = keras_mgpu.auto_strategy(
+        virtual_cpus=2 if no_gpu and not multi_worker else None
+    )
+
+    import keras
+
+    from _common import digits
+    from keras_mgpu import data, mixed_precision
+    from keras_mgpu.callbacks import BackupAndRestore, DistributedLogger
+    from keras_mgpu.layers import FP32OutputHead
+
+    policy = mixed_precision.set_policy("auto")
+    chief = keras_mgpu.is_chief()
+    (x, y), (x_test, y_test) = digits()
+    # Each worker writes its own copy: workers need not share a filesystem.
+    records = f"{workdir}/tfrecords/worker{keras_mgpu.worker_index()}"
+    if not tf.io.gfile.exists(f"{records}/train/{data.SPEC_FILE}"):
+        data.write_tfrecords((x, y), f"{records}/train", num_shards=4)
+        data.write_tfrecords((x_test, y_test), f"{records}/test", num_shards=1)
+    per_replica = 32
+    train = data.tfrecord_dataset(f"{records}/train/*.tfrecord",
+                                  per_replica_batch_size=per_replica,
+                                  strategy=strategy, cache=True)
+    test = data.tfrecord_dataset(f"{records}/test/*.tfrecord",
+                                 per_replica_batch_size=per_replica,
+                                 strategy=strategy)
+
+    def make_model(units: int) -> keras.Model:
+        return keras.Sequential([
+            keras.Input((64,)),
+            keras.layers.Dense(units, activation="relu"),
+            FP32OutputHead(10, activation="softmax", name="head"),
+        ])
+
+    def build(hp) -> keras.Model:
+        model = make_model(hp.Choice("units", [64, 128]))
+        model.compile(
+            keras.optimizers.Adam(hp.Float("learning_rate", 1e-3, 3e-3,
+                                           sampling="log")),
+            "sparse_categorical_crossentropy", metrics=["accuracy"])
+        return model
+
+    units, learning_rate = 128, 2e-3
+    if trials and not multi_worker:
+        import keras_tuner
+
+        from keras_mgpu.tuner import StrategyAwareHyperModel
+
+        tuner = keras_tuner.RandomSearch(
+            StrategyAwareHyperModel(build, per_replica_batch_size=per_replica,
+                                    lr_scaling="sqrt"),
+            objective="val_accuracy", max_trials=trials, seed=0,
+            directory=workdir, project_name="tuning", overwrite=False,
+            distribution_strategy=strategy)
+        tuner.search(train, validation_data=test, epochs=2, verbose=0)
+        best = tuner.get_best_hyperparameters()[0]
+        units, learning_rate = best.get("units"), best.get("learning_rate")
+        keras.backend.clear_session()
+
+    with strategy.scope():
+        model = keras_mgpu.GradientAccumulationModel(make_model(units),
+                                                     accum_steps=2)
+        # Two micro-batches per step: the base rate times sqrt(2 * replicas).
+        scale = (2 * strategy.num_replicas_in_sync) ** 0.5
+        model.compile(keras.optimizers.Adam(learning_rate * scale),
+                      "sparse_categorical_crossentropy", metrics=["accuracy"])
+
+    log_dir = f"{workdir}/logs"
+    callbacks = [
+        DistributedLogger(log_dir, update_freq=10, console=False),
+        BackupAndRestore.from_preset("preemptible", f"{workdir}/backup",
+                                     save_freq=10),
+    ]
+    start = time.perf_counter()
+    model.fit(train, epochs=epochs, verbose=0, callbacks=callbacks)
+    seconds = time.perf_counter() - start
+    accuracy = model.evaluate(test, verbose=0, return_dict=True)["accuracy"]
+    findings = mixed_precision.audit(model.inner)
+    return {
+        "chief": chief,
+        "strategy": type(strategy).__name__,
+        "replicas": strategy.num_replicas_in_sync,
+        "devices": "logical CPUs" if no_gpu else "GPUs",
+        "policy": policy,
+        "units": int(units),
+        "learning_rate": float(learning_rate),
+        "accuracy": float(accuracy),
+        "test_examples": int(len(x_test)),
+        "train_seconds": seconds,
+        "examples_per_sec": _last_epoch_throughput(log_dir) if chief else None,
+        "optimizer_steps": int(model.optimizer.iterations.numpy()),
+        "audit_findings": len(findings),
+        "log_dir": log_dir,
+    }
+
+
+def _last_epoch_throughput(log_dir: str):
+    with open(f"{log_dir}/metrics.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    epochs = [r for r in records if r["kind"] == "epoch"]
+    return epochs[-1]["examples_per_sec"] if epochs else None
+
+
+def report(result: dict, workdir: str, workers: int) -> None:
+    print()
+    print("keras-mgpu demo")
+    print(f"  strategy:        {result['strategy']}, {result['replicas']} "
+          f"replica(s) on {result['devices']}"
+          + (f", {workers} worker processes" if workers > 1 else ""))
+    print(f"  precision:       {result['policy']}; mixed-precision audit: "
+          f"{result['audit_findings']} finding(s)")
+    print(f"  tuned model:     {result['units']} hidden units, base learning "
+          f"rate {result['learning_rate']:.2e}")
+    print(f"  optimizer steps: {result['optimizer_steps']} "
+          "(2 micro-batches each)")
+    print(f"  test accuracy:   {result['accuracy']:.3f} on "
+          f"{result['test_examples']} held-out digits (chance: 0.100)")
+    if result["examples_per_sec"]:
+        print(f"  throughput:      {result['examples_per_sec']:,.0f} "
+              "examples/s (last epoch)")
+    print(f"  logs:            {result['log_dir']}")
+    print(f"  view them:       tensorboard --logdir {result['log_dir']}")
+    print(f"  on 2 workers:    python examples/demo.py --workers 2 "
+          f"--workdir {workdir}-2workers")
+    if result["devices"] == "logical CPUs":
+        print("  note: CPU run: figures show the mechanics, not GPU speed.")
 
 
 def main() -> None:
-    digits = load_digits()
-    x = (digits.data / 16.0).astype("float32")
-    y = digits.target.astype("int32")
-    order = np.random.RandomState(0).permutation(len(x))
-    x, y = x[order], y[order]
-    split = int(0.8 * len(x))
-    per_replica = 32
-    batch = keras_mgpu.global_batch_size(per_replica, strategy)
-    train = tf.data.Dataset.from_tensor_slices((x[:split], y[:split]))
-    train = train.shuffle(split, seed=0).batch(batch).prefetch(2)
-    test = tf.data.Dataset.from_tensor_slices((x[split:], y[split:]))
-    test = test.batch(batch)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", default=os.path.join(
+        os.path.dirname(HERE), "runs", "demo"))
+    parser.add_argument("--epochs", type=int, default=12)
+    parser.add_argument("--trials", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--smoke", action="store_true",
+                        help="a short run, as the test suite does")
+    parser.add_argument("--fresh", action="store_true",
+                        help="delete the workdir first (no resume)")
+    args = parser.parse_args()
+    if args.smoke:
+        args.epochs, args.trials = 2, 1
+    if args.fresh:
+        shutil.rmtree(args.workdir, ignore_errors=True)
+    kwargs = {"workdir": args.workdir, "epochs": args.epochs,
+              "trials": args.trials}
+    if args.workers > 1:
+        from keras_mgpu.launcher import run_local_workers
 
-    keras.utils.set_random_seed(0)
-    with strategy.scope():
-        model = keras.Sequential([
-            keras.Input((64,)),
-            keras.layers.Dense(128, activation="relu"),
-            keras.layers.Dense(10, activation="softmax"),
-        ])
-        model.compile(keras.optimizers.Adam(3e-3),
-                      "sparse_categorical_crossentropy", metrics=["accuracy"])
-    start = time.perf_counter()
-    model.fit(train, epochs=15, verbose=2)
-    seconds = time.perf_counter() - start
-    _, accuracy = model.evaluate(test, verbose=0)
-
-    print()
-    print(f"replicas:      {strategy.num_replicas_in_sync} "
-          f"({'logical CPUs' if NO_GPU else 'GPUs'})")
-    print(f"global batch:  {batch} ({per_replica} per replica)")
-    print(f"throughput:    {15 * split / seconds:,.0f} examples/s")
-    print(f"test accuracy: {accuracy:.3f} on {len(x) - split} held-out digits")
-    assert accuracy > 0.9, f"accuracy {accuracy:.3f} is too low: a bug?"
+        results = run_local_workers("demo:run", args.workers, kwargs=kwargs,
+                                    timeout=1800, cwd=HERE)
+        result = next(r.result for r in results if r.result["chief"])
+    else:
+        result = run(**kwargs)
+    report(result, args.workdir, args.workers)
+    if not args.smoke:
+        assert result["accuracy"] > 0.9, (
+            f"accuracy {result['accuracy']:.3f} is too low: a bug?")
 
 
 if __name__ == "__main__":

@@ -201,10 +201,21 @@ def make_tf_config(
     return text
 
 
-def _strategy_kind(
+def strategy_kind(
     info: ClusterInfo, num_gpus: int, virtual_cpus: Optional[int], devices
 ) -> str:
-    """The selection table of `auto_strategy`, free of side effects."""
+    """Which strategy `auto_strategy` picks, without creating it.
+
+    Returns one of `"multi_worker"`, `"mirrored"`, `"one_device"` or
+    `"default"`: the selection table of `auto_strategy` as a pure function
+    (used by `keras-mgpu doctor`).
+
+    Example:
+
+    >>> strategy_kind(ClusterInfo(), num_gpus=4, virtual_cpus=None,
+    ...               devices=None)
+    'mirrored'
+    """
     if info.num_workers > 1:
         if virtual_cpus is not None or devices is not None:
             raise ValueError(
@@ -315,7 +326,7 @@ def auto_strategy(
     """
     info = cluster_info()
     num_gpus = len(tf.config.list_physical_devices("GPU"))
-    kind = _strategy_kind(info, num_gpus, virtual_cpus, devices)
+    kind = strategy_kind(info, num_gpus, virtual_cpus, devices)
     if kind == "multi_worker":
         return _multi_worker_strategy(info, cross_device_ops)
     if virtual_cpus is not None:

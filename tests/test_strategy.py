@@ -78,15 +78,15 @@ def test_bad_tf_config_in_environment_fails_auto_strategy(monkeypatch):
 def test_selection_table(workers_, gpus, virtual_cpus, devices, kind):
     cluster = {"worker": [f"h:{i}" for i in range(workers_)]}
     info = s.parse_tf_config(tf_config(cluster))
-    assert s._strategy_kind(info, gpus, virtual_cpus, devices) == kind
+    assert s.strategy_kind(info, gpus, virtual_cpus, devices) == kind
 
 
 def test_selection_rejects_conflicting_arguments():
     info = s.parse_tf_config(tf_config(TWO_WORKERS))
     with pytest.raises(ValueError, match="virtual_cpus=2"):
-        s._strategy_kind(info, 0, 2, None)
+        s.strategy_kind(info, 0, 2, None)
     with pytest.raises(ValueError, match="either `virtual_cpus` or `devices`"):
-        s._strategy_kind(s.ClusterInfo(), 0, 2, ["/cpu:0"])
+        s.strategy_kind(s.ClusterInfo(), 0, 2, ["/cpu:0"])
 
 
 def test_auto_strategy_in_process(monkeypatch):

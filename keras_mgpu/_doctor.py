@@ -1,0 +1,565 @@
+"""`keras-mgpu doctor`: what this machine offers for multi-GPU training, and advice.
+
+`collect()` gathers a report (a JSON-ready dict) and `format_report()` renders
+it as text. Everything that talks to the machine can be injected, so the GPU
+parts are tested on CPU-only machines with recorded `nvidia-smi` output:
+
+- `nvidia_smi_runner(args) -> str | None`: runs `nvidia-smi` with `args` and
+  returns its stdout, or `None` when nvidia-smi is missing or fails;
+- `tf_devices`: the devices TensorFlow sees, as dicts (see `tf_devices()`);
+- `env`: the environment (`TF_CONFIG`, `CUDA_VISIBLE_DEVICES`, ...).
+
+JSON schema (`keras-mgpu doctor --json`), schema id `keras-mgpu-doctor/1`:
+
+    {"schema": "keras-mgpu-doctor/1",
+     "ok": bool,                      # no finding of level "error"
+     "software": {name: version or "not installed"},
+     "keras_backend": str,
+     "tensorflow_build": {"cuda": bool, "cuda_version": str|null,
+                          "cudnn_version": str|null},
+     "env": {"CUDA_VISIBLE_DEVICES": str|null, "KERAS_BACKEND": str|null},
+     "devices": [{"name": str, "type": "CPU"|"GPU"|...}],   # TensorFlow's
+     "gpus": [{"index": int, "name": str|null, "memory_mib": int|null,
+               "compute_capability": [int, int]|null,
+               "pci_bus_id": str|null, "visible_to_tensorflow": bool}],
+     "nvidia_smi": bool,              # whether nvidia-smi answered
+     "interconnect": null | {"gpus": [str], "matrix": [[str]],
+                             "kind": "nvlink"|"mixed"|"pcie"|"single",
+                             "pcie_links": [str]},
+     "cluster": {"tf_config_set": bool, "valid": bool, "error": str|null,
+                 "num_workers": int, "task_type": str|null,
+                 "task_index": int, "worker_index": int, "is_chief": bool,
+                 "cluster": {task_type: [address]}},
+     "strategy": {"kind": str|null, "description": str},
+     "mixed_precision": {"policy": str, "reason": str},
+     "findings": [{"level": "error"|"warning"|"info", "code": str,
+                   "message": str, "advice": str}]}
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import re
+import shutil
+import subprocess
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+from keras_mgpu import mixed_precision
+from keras_mgpu import strategy as strategy_lib
+
+SCHEMA = "keras-mgpu-doctor/1"
+
+NvidiaSmiRunner = Callable[[Sequence[str]], Optional[str]]
+
+# Display name -> distribution names to try, first installed wins. Never
+# imported: importing wandb or TensorBoard plugins is slow and has side effects.
+OPTIONAL_PACKAGES = {
+    "KerasTuner": ("keras-tuner",),
+    "xprof": ("xprof", "tensorboard-plugin-profile"),
+    "TensorBoard": ("tensorboard",),
+    "wandb": ("wandb",),
+}
+# Feature (the pip extra of the same name) -> display names it needs.
+FEATURES = {
+    "tuner": ("KerasTuner",),
+    "profile": ("TensorBoard", "xprof"),
+    "wandb": ("wandb",),
+}
+NOT_INSTALLED = "not installed"
+
+QUERY_FIELDS = "index,name,memory.total,compute_cap,pci.bus_id"
+QUERY_ARGS = (f"--query-gpu={QUERY_FIELDS}", "--format=csv")
+# Drivers before R510 do not know `compute_cap`; TensorFlow still reports it.
+QUERY_ARGS_OLD = ("--query-gpu=index,name,memory.total,pci.bus_id",
+                  "--format=csv")
+TOPO_ARGS = ("topo", "-m")
+
+PCIE_LINKS = ("PIX", "PXB", "PHB", "NODE", "SYS", "SOC")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+# --- Probing the machine -------------------------------------------------------
+
+
+def package_version(names: Sequence[str]) -> str:
+    """The version of the first installed distribution in `names`, never importing it.
+
+    Example:
+
+    >>> package_version(["surely-not-a-package-xyz"])
+    'not installed'
+    """
+    for name in names:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return NOT_INSTALLED
+
+
+def run_nvidia_smi(args: Sequence[str], timeout: float = 20.0) -> Optional[str]:
+    """Runs `nvidia-smi args`; its stdout, or `None` if missing or failing."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        done = subprocess.run([exe, *args], capture_output=True, text=True,
+                              timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+def tf_devices() -> list[dict[str, Any]]:
+    """TensorFlow's physical devices, with name and compute capability of GPUs.
+
+    Lists physical devices only, so it does not initialise TensorFlow's
+    runtime (logical CPUs can still be configured afterwards).
+    """
+    import tensorflow as tf
+
+    devices = []
+    for device in tf.config.list_physical_devices():
+        entry: dict[str, Any] = {"name": device.name,
+                                 "type": device.device_type}
+        if device.device_type == "GPU":
+            try:
+                details = tf.config.experimental.get_device_details(device)
+            except Exception:  # noqa: BLE001 - details are best effort
+                details = {}
+            entry["device_name"] = details.get("device_name")
+            cc = details.get("compute_capability")
+            entry["compute_capability"] = list(cc) if cc else None
+        devices.append(entry)
+    return devices
+
+
+def tf_build() -> dict[str, Any]:
+    import tensorflow as tf
+
+    info = tf.sysconfig.get_build_info()
+    return {
+        "cuda": bool(info.get("is_cuda_build", tf.test.is_built_with_cuda())),
+        "cuda_version": info.get("cuda_version"),
+        "cudnn_version": info.get("cudnn_version"),
+    }
+
+
+# --- Parsing nvidia-smi ----------------------------------------------------------
+
+
+def _cells(line: str) -> list[str]:
+    line = _ANSI.sub("", line.rstrip("\n"))
+    if "\t" in line:
+        return [c.strip() for c in line.split("\t")]
+    return line.split()
+
+
+def parse_topology(text: str) -> Optional[dict[str, Any]]:
+    """Parses `nvidia-smi topo -m` into GPU names and the GPU-to-GPU link matrix.
+
+    NIC rows and the affinity columns are ignored.
+
+    Returns:
+        `None` when no GPU matrix is found, else `{"gpus": [...], "matrix":
+        [[...]], "kind": ..., "pcie_links": [...]}`. `kind` is `"nvlink"`
+        (every pair over NVLink), `"mixed"`, `"pcie"` (no NVLink at all) or
+        `"single"` (one GPU).
+
+    Example:
+
+    >>> topo = parse_topology("\\tGPU0\\tGPU1\\tCPU Affinity\\n"
+    ...                       "GPU0\\t X \\tNV4\\t0-7\\n"
+    ...                       "GPU1\\tNV4\\t X \\t0-7\\n")
+    >>> topo["matrix"], topo["kind"]
+    ([['X', 'NV4'], ['NV4', 'X']], 'nvlink')
+    """
+    lines = text.splitlines()
+    header_at = None
+    for i, line in enumerate(lines):
+        if "GPU0" in _cells(line) and not _cells(line)[0].startswith("GPU"):
+            header_at = i
+            break
+    if header_at is None:
+        return None
+    gpus = [c for c in _cells(lines[header_at]) if re.fullmatch(r"GPU\d+", c)]
+    matrix = []
+    for line in lines[header_at + 1:]:
+        cells = _cells(line)
+        if not cells or not cells[0]:
+            if matrix:
+                break
+            continue
+        if not re.fullmatch(r"GPU\d+", cells[0]):
+            continue
+        row = cells[1:1 + len(gpus)]
+        if len(row) < len(gpus):
+            raise ValueError(
+                f"nvidia-smi topo -m row {cells[0]} has {len(row)} GPU "
+                f"columns, expected {len(gpus)}: {line!r}"
+            )
+        matrix.append(row)
+    if len(matrix) != len(gpus):
+        raise ValueError(
+            f"nvidia-smi topo -m lists {len(gpus)} GPU columns but "
+            f"{len(matrix)} GPU rows."
+        )
+    pairs = [matrix[i][j] for i in range(len(gpus))
+             for j in range(len(gpus)) if i != j]
+    nvlink = [p for p in pairs if p.startswith("NV")]
+    if not pairs:
+        kind = "single"
+    elif len(nvlink) == len(pairs):
+        kind = "nvlink"
+    elif nvlink:
+        kind = "mixed"
+    else:
+        kind = "pcie"
+    pcie_links = sorted({p for p in pairs if p in PCIE_LINKS})
+    return {"gpus": gpus, "matrix": matrix, "kind": kind,
+            "pcie_links": pcie_links}
+
+
+def parse_gpu_query(text: str) -> list[dict[str, Any]]:
+    """Parses `nvidia-smi --query-gpu=... --format=csv` (with or without header).
+
+    Without a header the fields are taken to be `QUERY_FIELDS`.
+
+    Example:
+
+    >>> parse_gpu_query("index, name, memory.total [MiB], compute_cap\\n"
+    ...                 "0, NVIDIA A100-SXM4-80GB, 81920 MiB, 8.0\\n")
+    [{'index': 0, 'name': 'NVIDIA A100-SXM4-80GB', 'memory_mib': 81920, \
+'compute_capability': [8, 0], 'pci_bus_id': None}]
+    """
+    rows = [line for line in text.splitlines() if line.strip()]
+    if not rows:
+        return []
+    fields = QUERY_FIELDS.split(",")
+    if rows[0].lstrip().startswith("index"):
+        fields = [re.sub(r"\s*\[.*\]$", "", f.strip()) for f in
+                  rows[0].split(",")]
+        rows = rows[1:]
+    gpus = []
+    for row in rows:
+        values = dict(zip(fields, (v.strip() for v in row.split(","))))
+        memory = re.match(r"(\d+)", values.get("memory.total", ""))
+        cc = re.fullmatch(r"(\d+)\.(\d+)", values.get("compute_cap", ""))
+        index = values.get("index", "")
+        gpus.append({
+            "index": int(index) if index.isdigit() else len(gpus),
+            "name": values.get("name") or None,
+            "memory_mib": int(memory.group(1)) if memory else None,
+            "compute_capability": ([int(cc.group(1)), int(cc.group(2))]
+                                   if cc else None),
+            "pci_bus_id": values.get("pci.bus_id") or None,
+        })
+    return gpus
+
+
+# --- The report ---------------------------------------------------------------
+
+
+def _finding(level: str, code: str, message: str, advice: str = "") -> dict:
+    return {"level": level, "code": code, "message": message, "advice": advice}
+
+
+def _strategy_description(kind: Optional[str], num_gpus: int,
+                          num_workers: int) -> str:
+    return {
+        "multi_worker": f"MultiWorkerMirroredStrategy over {num_workers} "
+                        "workers (each mirroring over its local GPUs)",
+        "mirrored": f"MirroredStrategy over {num_gpus} GPUs with NCCL "
+                    "all-reduce",
+        "one_device": "OneDeviceStrategy",
+        "default": "the default strategy (one device: "
+                   + ("GPU:0)" if num_gpus else "the CPU)"),
+    }.get(kind, "none: fix TF_CONFIG first")
+
+
+def collect(
+    *,
+    nvidia_smi_runner: Optional[NvidiaSmiRunner] = None,
+    devices: Optional[Sequence[Mapping[str, Any]]] = None,
+    env: Optional[Mapping[str, str]] = None,
+    need: Sequence[str] = (),
+) -> dict[str, Any]:
+    """Collects the doctor's report. Creates no strategy and runs no TF op.
+
+    Args:
+        nvidia_smi_runner: Defaults to `None`, which runs the real
+            `nvidia-smi` when present. A callable taking the argument list
+            and returning stdout or `None`.
+        devices: Defaults to `None`, TensorFlow's physical devices
+            (`tf_devices()`). Dicts with `name`, `type`, and for GPUs
+            `device_name` and `compute_capability`.
+        env: Defaults to `None`, `os.environ`.
+        need: Defaults to `()`. Features (`"tuner"`, `"profile"`, `"wandb"`)
+            the user needs: a missing package for one is an error, for the
+            others it is only information.
+
+    Returns:
+        The report, a JSON-ready dict (schema in the module docstring).
+
+    Example:
+
+    >>> report = collect(nvidia_smi_runner=lambda args: None,
+    ...                  devices=[{"name": "/physical_device:CPU:0",
+    ...                            "type": "CPU"}], env={})
+    >>> report["strategy"]["kind"], [f["code"] for f in report["findings"]][:1]
+    ('default', ['no_gpu'])
+    """
+    import keras
+    import tensorflow as tf
+
+    import keras_mgpu
+
+    runner = run_nvidia_smi if nvidia_smi_runner is None else nvidia_smi_runner
+    env = os.environ if env is None else env
+    devices = [dict(d) for d in (tf_devices() if devices is None else devices)]
+    unknown = sorted(set(need) - set(FEATURES))
+    if unknown:
+        raise ValueError(
+            f"Unknown feature(s) {unknown} in need; choose from "
+            f"{sorted(FEATURES)}."
+        )
+    findings: list[dict] = []
+
+    software = {
+        "Python": platform.python_version(),
+        "TensorFlow": tf.__version__,
+        "Keras": keras.__version__,
+        "keras-mgpu": keras_mgpu.__version__,
+    }
+    for display, names in OPTIONAL_PACKAGES.items():
+        software[display] = package_version(names)
+
+    # GPUs: TensorFlow's view, completed (memory, bus id) by nvidia-smi's.
+    query_text = runner(list(QUERY_ARGS))
+    if query_text is None:
+        query_text = runner(list(QUERY_ARGS_OLD))
+    smi_gpus = parse_gpu_query(query_text) if query_text else []
+    topo_text = runner(list(TOPO_ARGS))
+    interconnect = None
+    if topo_text:
+        try:
+            interconnect = parse_topology(topo_text)
+        except ValueError as e:
+            findings.append(_finding(
+                "warning", "topology_unreadable", str(e),
+                "Run `nvidia-smi topo -m` yourself to see the links."))
+    tf_gpus = [d for d in devices if d.get("type") == "GPU"]
+    gpus = []
+    for i, device in enumerate(tf_gpus):
+        smi = smi_gpus[i] if i < len(smi_gpus) else {}
+        gpus.append({
+            "index": i,
+            "name": device.get("device_name") or smi.get("name"),
+            "memory_mib": smi.get("memory_mib"),
+            "compute_capability": (device.get("compute_capability")
+                                   or smi.get("compute_capability")),
+            "pci_bus_id": smi.get("pci_bus_id"),
+            "visible_to_tensorflow": True,
+        })
+    for smi in smi_gpus[len(tf_gpus):]:
+        gpus.append({**smi, "visible_to_tensorflow": False})
+
+    # The cluster, and what auto_strategy() would pick (the pure selection).
+    tf_config = env.get("TF_CONFIG", "")
+    cluster: dict[str, Any] = {"tf_config_set": bool(tf_config.strip()),
+                               "valid": True, "error": None}
+    kind = None
+    try:
+        info = strategy_lib.parse_tf_config(tf_config)
+    except ValueError as e:
+        cluster.update(valid=False, error=str(e), num_workers=1,
+                       task_type=None, task_index=0, worker_index=0,
+                       is_chief=True, cluster={})
+        findings.append(_finding(
+            "error", "tf_config_invalid", f"TF_CONFIG is malformed: {e}",
+            "Fix or unset TF_CONFIG: auto_strategy() raises this same error."))
+    else:
+        cluster.update(num_workers=info.num_workers, task_type=info.task_type,
+                       task_index=info.task_index,
+                       worker_index=info.worker_index, is_chief=info.is_chief,
+                       cluster={k: list(v) for k, v in info.cluster.items()})
+        kind = strategy_lib.strategy_kind(info, len(tf_gpus), None, None)
+        if cluster["tf_config_set"] and info.num_workers == 1:
+            findings.append(_finding(
+                "info", "tf_config_single_worker",
+                "TF_CONFIG is set but names a single training worker, so "
+                "auto_strategy() ignores it and trains locally.",
+                "Unset TF_CONFIG, or list every worker in cluster.worker."))
+    strategy = {"kind": kind,
+                "description": _strategy_description(
+                    kind, len(tf_gpus), cluster["num_workers"])}
+
+    ccs = [tuple(g["compute_capability"]) if g["compute_capability"] else None
+           for g in gpus if g["visible_to_tensorflow"]]
+    policy, reason = mixed_precision.choose_policy(ccs)
+
+    # Findings.
+    if not tf_gpus:
+        if smi_gpus:
+            findings.append(_finding(
+                "warning", "gpus_invisible_to_tensorflow",
+                f"nvidia-smi lists {len(smi_gpus)} GPU(s) but TensorFlow sees "
+                "none" + ("" if tf_build()["cuda"] else
+                          " (this TensorFlow is not a CUDA build)")
+                + (f"; CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']!r}"
+                   if "CUDA_VISIBLE_DEVICES" in env else "") + ".",
+                "Install TensorFlow with CUDA (`pip install "
+                "'tensorflow[and-cuda]'`) and check CUDA_VISIBLE_DEVICES and "
+                "the driver version."))
+        else:
+            findings.append(_finding(
+                "info", "no_gpu",
+                "No GPU visible: training runs on the CPU, one replica.",
+                "To exercise multi-replica code without GPUs, split the CPU "
+                "into logical devices: keras_mgpu.auto_strategy("
+                "virtual_cpus=N) gives a real MirroredStrategy over N logical "
+                "CPUs (call it first in the program, before any TF op). It "
+                "shows the mechanics, not GPU speed."))
+    if interconnect and len(interconnect["gpus"]) >= 4 and (
+        interconnect["kind"] == "pcie"
+    ):
+        findings.append(_finding(
+            "warning", "pcie_only",
+            f"{len(interconnect['gpus'])} GPUs linked over PCIe only ("
+            f"{', '.join(interconnect['pcie_links'])}; no NVLink): NCCL's "
+            "ring all-reduce is bound by the slowest PCIe/SMP hop, so scaling "
+            "will suffer for large models.",
+            "Prefer NVLink machines for many GPUs, or use hierarchical "
+            "all-reduce: keras_mgpu.auto_strategy(cross_device_ops="
+            "tf.distribute.HierarchicalCopyAllReduce()); benchmark both with "
+            "`keras-mgpu bench`. Gradient accumulation "
+            "(GradientAccumulationModel) also cuts all-reduces."))
+    elif interconnect and interconnect["kind"] == "mixed":
+        findings.append(_finding(
+            "info", "nvlink_partial",
+            "Some GPU pairs use NVLink, others PCIe: all-reduce runs at the "
+            "speed of the PCIe hops.",
+            "Mirror over a set of GPUs that are all NVLink-connected "
+            "(auto_strategy(devices=[...])) if it scales better."))
+    if ccs and policy == "float32":
+        findings.append(_finding(
+            "warning", "mixed_precision_unsupported",
+            f"Mixed precision would not help here: {reason}.",
+            "Train in float32 (mixed_precision.set_policy('auto') does so); "
+            "mixed precision needs compute capability 7.0+ (float16) or 8.0+ "
+            "(bfloat16)."))
+    elif policy == "mixed_float16":
+        findings.append(_finding(
+            "info", "mixed_precision_float16",
+            f"Mixed precision: {policy} ({reason}).",
+            "Use mixed_precision.set_policy('auto') and "
+            "mixed_precision.LossScaleMonitor() to watch the loss scale."))
+    elif policy == "mixed_bfloat16":
+        findings.append(_finding(
+            "info", "mixed_precision_bfloat16",
+            f"Mixed precision: {policy} ({reason}).",
+            "Use mixed_precision.set_policy('auto')."))
+    for feature, displays in FEATURES.items():
+        missing = [d for d in displays if software[d] == NOT_INSTALLED]
+        if not missing:
+            continue
+        needed = feature in need
+        findings.append(_finding(
+            "error" if needed else "info", f"missing_{feature}",
+            f"Feature {feature!r} "
+            + ("is needed but " if needed else "is unavailable: ")
+            + f"{', '.join(missing)} not installed.",
+            f"pip install \"keras-mgpu[{feature}]\""))
+
+    return {
+        "schema": SCHEMA,
+        "ok": not any(f["level"] == "error" for f in findings),
+        "software": software,
+        "keras_backend": keras.backend.backend(),
+        "tensorflow_build": tf_build(),
+        "env": {k: env.get(k) for k in ("CUDA_VISIBLE_DEVICES",
+                                        "KERAS_BACKEND")},
+        "devices": [{"name": d.get("name"), "type": d.get("type")}
+                    for d in devices],
+        "gpus": gpus,
+        "nvidia_smi": bool(query_text or topo_text),
+        "interconnect": interconnect,
+        "cluster": cluster,
+        "strategy": strategy,
+        "mixed_precision": {"policy": policy, "reason": reason},
+        "findings": findings,
+    }
+
+
+# --- Text output -------------------------------------------------------------
+
+
+def _table(rows: Sequence[Sequence[str]], indent: str = "  ") -> list[str]:
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    return [indent + "  ".join(str(c).ljust(w) for c, w in zip(r, widths))
+            .rstrip() for r in rows]
+
+
+def format_report(report: Mapping[str, Any]) -> str:
+    """Renders a report from `collect()` as readable text."""
+    out = ["keras-mgpu doctor", "", "Software"]
+    software = dict(report["software"])
+    software["Keras"] += f" (backend: {report['keras_backend']})"
+    build = report["tensorflow_build"]
+    software["TensorFlow"] += (
+        f" (CUDA {build['cuda_version']}, cuDNN {build['cudnn_version']})"
+        if build["cuda"] else " (CPU-only build)")
+    out += _table(list(software.items()))
+    out += ["", "Devices (TensorFlow)"]
+    out += _table([(d["type"], d["name"]) for d in report["devices"]])
+    out += ["", "GPUs" + ("" if report["nvidia_smi"] else
+                          " (nvidia-smi not found)")]
+    if report["gpus"]:
+        rows = [("#", "name", "memory", "compute cap.", "TensorFlow")]
+        for g in report["gpus"]:
+            cc = g["compute_capability"]
+            rows.append((
+                str(g["index"]), g["name"] or "?",
+                f"{g['memory_mib'] / 1024:.0f} GiB" if g["memory_mib"]
+                else "?",
+                f"{cc[0]}.{cc[1]}" if cc else "?",
+                "visible" if g["visible_to_tensorflow"] else "NOT visible",
+            ))
+        out += _table(rows)
+    else:
+        out.append("  none")
+    topo = report["interconnect"]
+    if topo:
+        out += ["", f"Interconnect (nvidia-smi topo -m): {topo['kind']}"]
+        out += _table([[""] + topo["gpus"]]
+                      + [[g] + row for g, row in zip(topo["gpus"],
+                                                     topo["matrix"])])
+        out.append("  NV# = # bonded NVLinks; PIX/PXB = PCIe switch; "
+                   "PHB = PCIe host bridge; NODE/SYS = across host bridges "
+                   "/ CPU sockets")
+    cluster = report["cluster"]
+    out += ["", "Cluster (TF_CONFIG)"]
+    if not cluster["tf_config_set"]:
+        out.append("  not set: a single process")
+    elif not cluster["valid"]:
+        out.append("  INVALID (see findings)")
+    else:
+        out += _table([
+            ("workers", str(cluster["num_workers"])),
+            ("this task", f"{cluster['task_type']}:{cluster['task_index']} "
+                          f"(rank {cluster['worker_index']}"
+                          f"{', chief' if cluster['is_chief'] else ''})"),
+        ] + [(k, ", ".join(v)) for k, v in cluster["cluster"].items()])
+    out += ["", f"auto_strategy() would pick: "
+                f"{report['strategy']['description']}",
+            f"Mixed precision ('auto'): {report['mixed_precision']['policy']}"]
+    out += ["", "Findings"]
+    if not report["findings"]:
+        out.append("  none")
+    for f in report["findings"]:
+        out.append(f"  [{f['level']}] {f['message']}")
+        if f["advice"]:
+            out.append(f"      -> {f['advice']}")
+    return "\n".join(out)

@@ -1,0 +1,715 @@
+"""KerasTuner on many devices: strategy-aware hypermodels and a trial launcher.
+
+`StrategyAwareHyperModel` wraps a model-building function so that every trial
+of any KerasTuner tuner (`RandomSearch`, `BayesianOptimization`, `Hyperband`,
+`GridSearch`) trains with a per-replica batch, a learning rate scaled to the
+trial's effective batch, optional gradient accumulation and precision policy
+as hyperparameters, and a per-trial `BackupAndRestore`, and records the
+effective values (replicas, global batch, scaled learning rate) with the
+trial's metrics so results from different cluster sizes can be compared.
+
+`launch` starts KerasTuner's parallel tuning on one host: a chief process
+holding the oracle and one worker process per device group.
+
+keras-tuner is an optional dependency: `pip install "keras-mgpu[tuner]"`.
+`import keras_mgpu` does not import this module; use
+`from keras_mgpu import tuner`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
+
+try:
+    import keras_tuner
+except ImportError as e:  # pragma: no cover - exercised in a test by hiding it
+    raise ImportError(
+        "keras_mgpu.tuner needs keras-tuner, which is not installed "
+        f"({e}). Install it with: pip install \"keras-mgpu[tuner]\" "
+        "(or pip install keras-tuner)."
+    ) from e
+
+import keras
+import tensorflow as tf
+
+from keras_mgpu import launcher
+from keras_mgpu import strategy as strategy_lib
+from keras_mgpu.accumulation import GradientAccumulationModel
+from keras_mgpu.callbacks.backup_and_restore import BackupAndRestore
+
+LR_SCALING_RULES = ("linear", "sqrt", None)
+
+# Hyperparameter names the hypermodel reads or declares.
+LEARNING_RATE_HP = "learning_rate"
+PER_REPLICA_BATCH_HP = "per_replica_batch_size"
+ACCUM_STEPS_HP = "accum_steps"
+PRECISION_HP = "precision"
+
+# Metrics added to each trial (constant over its epochs): what the trial
+# really trained with on this cluster.
+EFFECTIVE_KEYS = (
+    "effective/replicas",
+    "effective/per_replica_batch_size",
+    "effective/global_batch_size",
+    "effective/accum_steps",
+    "effective/batch_size",
+    "effective/lr_scale",
+    "effective/learning_rate",
+)
+
+_PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
+_DEFAULT_BATCH = 32  # Keras's own default `batch_size`, here per replica.
+
+
+class StrategyAwareHyperModel(keras_tuner.HyperModel):
+    """A `keras_tuner.HyperModel` whose trials scale batch and learning rate.
+
+    The contract with `build_fn(hp)`: it returns a compiled Keras model and
+    reads the base learning rate (the rate for one replica's batch, without
+    accumulation) as the hyperparameter named `learning_rate_hp`, e.g.
+    `hp.Float("learning_rate", 1e-4, 1e-2, sampling="log")`. After
+    `build_fn` returns, the hypermodel owns the optimizer's learning rate: it
+    sets it to `base * scale` (a float learning rate), or multiplies a
+    `LearningRateSchedule` (build the schedule from the base rate) by `scale`.
+    `scale` is `ratio` (`"linear"`) or `sqrt(ratio)` (`"sqrt"`) with
+    `ratio = effective_batch / reference_batch_size`, where
+    `effective_batch = per_replica_batch * replicas * accum_steps`.
+
+    Per trial it:
+
+    - declares `per_replica_batch_size`, `accum_steps` and `precision` as
+      hyperparameters when given as lists (`hp.Choice`), or reads
+      `per_replica_batch_size` from `hp` when `build_fn` declared it itself;
+    - builds under the tuner's `distribution_strategy` (KerasTuner enters its
+      scope) with the precision policy set, and wraps the model in
+      `keras_mgpu.GradientAccumulationModel` when `accum_steps > 1` (the
+      model is rebuilt uncompiled from its `get_config()`, its weights
+      copied, and the wrapper compiled with the model's
+      `get_compile_config()`);
+    - in `fit`, gives Keras the global batch `per_replica * replicas`:
+      `tf.data` input (batched, any batch size) is re-batched with
+      `Dataset.rebatch`, numpy input gets `batch_size=global`; a `batch_size`
+      passed to `search` is per replica;
+    - adds a `keras_mgpu.callbacks.BackupAndRestore` under
+      `<project_dir>/trial_<id>/backup/execution_<k>`, so a trial interrupted
+      by a killed search resumes from its last backup when the search is
+      rerun with `overwrite=False` (KerasTuner itself skips completed trials
+      and retries the interrupted one);
+    - adds the `EFFECTIVE_KEYS` metrics to the trial (constant per epoch).
+
+    Args:
+        build_fn: `build_fn(hp) -> compiled keras.Model`.
+        per_replica_batch_size: Defaults to `None`: the `per_replica_batch_size`
+            hyperparameter if `build_fn` declares it, else the `batch_size`
+            given to `search` (numpy; default 32), else the batch size of
+            the `tf.data` input divided over the replicas. An int fixes it; a
+            list or tuple tunes it as `hp.Choice("per_replica_batch_size")`.
+        lr_scaling: Defaults to `"linear"`. One of `"linear"`, `"sqrt"` or
+            `None` (leave the learning rate as `build_fn` set it).
+        reference_batch_size: Defaults to `None`: the per-replica batch, so
+            `ratio = replicas * accum_steps` and the base rate is the rate
+            for one device. An int: the batch the base rate was tuned for.
+        learning_rate_hp: Defaults to `"learning_rate"`. Name of the base
+            learning-rate hyperparameter.
+        accum_steps: Defaults to `None` (no wrapping; a
+            `GradientAccumulationModel` returned by `build_fn` is used as it
+            is). An int wraps with it; a list tunes it as
+            `hp.Choice("accum_steps")`.
+        precision: Defaults to `None` (the global policy). A policy name
+            (`"float32"`, `"mixed_float16"`, `"mixed_bfloat16"`) or a list of
+            them to tune as `hp.Choice("precision")`; set during `build_fn`
+            only.
+        rebatch: Defaults to `True`. If `False`, `tf.data` input is used as
+            batched, and its (static) batch must equal
+            `per_replica_batch_size * replicas`.
+        backup: Defaults to `"epoch"`. Per-trial backup frequency:
+            `"epoch"`, a number of batches, or `False` for none.
+        **kwargs: Passed to `keras_tuner.HyperModel` (`name`, `tunable`).
+
+    Example:
+
+    >>> import keras, keras_tuner, numpy as np, tempfile
+    >>> from keras_mgpu.tuner import StrategyAwareHyperModel
+    >>> def build(hp):
+    ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    ...     model.compile(keras.optimizers.SGD(hp.Float("learning_rate",
+    ...                   1e-3, 1e-2)), "mse")
+    ...     return model
+    >>> hypermodel = StrategyAwareHyperModel(build, per_replica_batch_size=8,
+    ...                                      accum_steps=2)
+    >>> tuner = keras_tuner.RandomSearch(hypermodel, objective="loss",
+    ...     max_trials=1, directory=tempfile.mkdtemp(), seed=1)
+    >>> tuner.search(np.ones((32, 4)), np.ones((32, 1)), epochs=1, verbose=0)
+    >>> trial = tuner.oracle.get_best_trials()[0]
+    >>> float(trial.metrics.get_last_value("effective/batch_size"))  # 8*1*2
+    16.0
+    >>> float(trial.metrics.get_last_value("effective/lr_scale"))
+    2.0
+    """
+
+    def __init__(
+        self,
+        build_fn: Callable[[Any], keras.Model],
+        *,
+        per_replica_batch_size: Union[None, int, Sequence[int]] = None,
+        lr_scaling: Optional[str] = "linear",
+        reference_batch_size: Optional[int] = None,
+        learning_rate_hp: str = LEARNING_RATE_HP,
+        accum_steps: Union[None, int, Sequence[int]] = None,
+        precision: Union[None, str, Sequence[str]] = None,
+        rebatch: bool = True,
+        backup: Union[bool, str, int] = "epoch",
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        if not callable(build_fn):
+            raise TypeError(
+                f"build_fn must be a function hp -> compiled keras.Model, got "
+                f"{build_fn!r}."
+            )
+        if lr_scaling not in LR_SCALING_RULES:
+            raise ValueError(
+                f"Unknown lr_scaling rule {lr_scaling!r}. Valid rules: "
+                f"{list(LR_SCALING_RULES)} ('linear': lr = base * ratio, "
+                "'sqrt': lr = base * sqrt(ratio), None: no scaling)."
+            )
+        _check_choices("per_replica_batch_size", per_replica_batch_size)
+        _check_choices("accum_steps", accum_steps)
+        if reference_batch_size is not None:
+            _check_positive_int("reference_batch_size", reference_batch_size)
+        if precision is not None:
+            for name in _as_list(precision):
+                if name not in _PRECISIONS:
+                    raise ValueError(
+                        f"Unknown precision policy {name!r}. Valid policies: "
+                        f"{list(_PRECISIONS)}."
+                    )
+        if backup is not False and backup != "epoch":
+            _check_positive_int("backup", backup)
+        self.build_fn = build_fn
+        self.per_replica_batch_size = per_replica_batch_size
+        self.lr_scaling = lr_scaling
+        self.reference_batch_size = reference_batch_size
+        self.learning_rate_hp = learning_rate_hp
+        self.accum_steps = accum_steps
+        self.precision = precision
+        self.rebatch = bool(rebatch)
+        self.backup = backup
+        self._executions = {}
+
+    # --- hyperparameters ----------------------------------------------------
+
+    def _declared(self, hp, name, value, default=None):
+        """A constructor value, or its `hp.Choice` when given as a list."""
+        if isinstance(value, (list, tuple)):
+            return hp.Choice(name, list(value))
+        return default if value is None else value
+
+    def _accum_steps(self, hp) -> Optional[int]:
+        return self._declared(hp, ACCUM_STEPS_HP, self.accum_steps)
+
+    def _per_replica_batch(self, hp) -> Optional[int]:
+        value = self._declared(
+            hp, PER_REPLICA_BATCH_HP, self.per_replica_batch_size
+        )
+        if value is None and PER_REPLICA_BATCH_HP in hp:
+            value = hp.get(PER_REPLICA_BATCH_HP)
+        return value
+
+    # --- build --------------------------------------------------------------
+
+    def build(self, hp) -> keras.Model:
+        """Builds one trial's model: precision, `build_fn`, accumulation, LR."""
+        self._per_replica_batch(hp)  # Declared first: stable search space.
+        accum_steps = self._accum_steps(hp)
+        policy = self._declared(hp, PRECISION_HP, self.precision)
+        previous = keras.mixed_precision.global_policy()
+        if policy is not None:
+            keras.mixed_precision.set_global_policy(policy)
+        try:
+            model = self.build_fn(hp)
+            if not isinstance(model, keras.Model):
+                raise keras_tuner.errors.FatalTypeError(
+                    f"build_fn must return a compiled keras.Model, got "
+                    f"{type(model).__name__}."
+                )
+            model = _maybe_accumulate(model, accum_steps)
+        finally:
+            # Layers captured the policy when they were created; restoring it
+            # keeps the trial's policy out of everything built later.
+            keras.mixed_precision.set_global_policy(previous)
+        if self.lr_scaling is not None:
+            if self.learning_rate_hp not in hp:
+                raise keras_tuner.errors.FatalValueError(
+                    f"lr_scaling={self.lr_scaling!r} scales the base learning "
+                    f"rate read from the hyperparameter "
+                    f"{self.learning_rate_hp!r}, but build_fn did not define "
+                    f"it. In build_fn, read the base rate with "
+                    f"hp.Float({self.learning_rate_hp!r}, 1e-4, 1e-2, "
+                    "sampling='log') and pass it to the optimizer, or pass "
+                    "learning_rate_hp='<your hp name>', or lr_scaling=None."
+                )
+            if model.optimizer is None:
+                raise keras_tuner.errors.FatalValueError(
+                    "build_fn returned a model that is not compiled; "
+                    f"lr_scaling={self.lr_scaling!r} needs its optimizer. "
+                    "Compile the model in build_fn."
+                )
+            # Global batch unknown until `fit` sees the data when the
+            # per-replica batch comes from it: scaled there, again, then.
+            batch = self._per_replica_batch(hp)
+            if batch is not None:
+                _set_learning_rate(
+                    model, hp.get(self.learning_rate_hp),
+                    self._effective(hp, model, batch)["effective/lr_scale"],
+                )
+        return model
+
+    def _effective(self, hp, model, per_replica: int) -> dict:
+        replicas = strategy_lib.num_replicas(model.distribute_strategy)
+        accum = (
+            model.accum_steps
+            if isinstance(model, GradientAccumulationModel) else 1
+        )
+        global_batch = strategy_lib.global_batch_size(
+            per_replica, model.distribute_strategy
+        )
+        effective = global_batch * accum
+        reference = self.reference_batch_size or per_replica
+        ratio = effective / reference
+        scale = {"linear": ratio, "sqrt": math.sqrt(ratio), None: 1.0}[
+            self.lr_scaling
+        ]
+        return {
+            "effective/replicas": replicas,
+            "effective/per_replica_batch_size": per_replica,
+            "effective/global_batch_size": global_batch,
+            "effective/accum_steps": accum,
+            "effective/batch_size": effective,
+            "effective/lr_scale": scale,
+        }
+
+    # --- fit ----------------------------------------------------------------
+
+    def fit(self, hp, model, *args, **kwargs):
+        """Trains one trial: global batch, scaled LR, per-trial backup.
+
+        Args:
+            hp: The trial's `HyperParameters`.
+            model: The model `build` returned.
+            *args: `search`'s positional arguments (`x`, `y`, ...).
+            **kwargs: `search`'s keyword arguments; `batch_size` is per
+                replica.
+
+        Returns:
+            The `History` of `model.fit`, with the `EFFECTIVE_KEYS` added.
+        """
+        args = list(args)
+        x = args[0] if args else kwargs.get("x")
+        user_batch = kwargs.pop("batch_size", None)
+        per_replica = self._per_replica_batch(hp)
+        if per_replica is not None and user_batch is not None and (
+            user_batch != per_replica
+        ):
+            raise keras_tuner.errors.FatalValueError(
+                f"search(batch_size={user_batch}) conflicts with the trial's "
+                f"per-replica batch size {per_replica}. Pass one of them: "
+                "batch_size to search() is per replica."
+            )
+        replicas = strategy_lib.num_replicas(model.distribute_strategy)
+        if per_replica is None:
+            per_replica = user_batch
+        if isinstance(x, tf.data.Dataset):
+            if self.rebatch and per_replica is None:
+                per_replica = _dataset_batch(x, replicas, None)
+            elif not self.rebatch:
+                per_replica = _dataset_batch(x, replicas, per_replica)
+        if per_replica is None:
+            per_replica = _DEFAULT_BATCH
+        info = self._effective(hp, model, per_replica)
+        global_batch = info["effective/global_batch_size"]
+        info["effective/learning_rate"] = self._apply_learning_rate(
+            hp, model, info["effective/lr_scale"]
+        )
+
+        if isinstance(x, tf.data.Dataset):
+            if self.rebatch:
+                x = x.rebatch(global_batch)
+            if args:
+                args[0] = x
+            else:
+                kwargs["x"] = x
+        else:
+            kwargs["batch_size"] = global_batch
+        validation = kwargs.get("validation_data")
+        if isinstance(validation, tf.data.Dataset):
+            if self.rebatch:
+                kwargs["validation_data"] = validation.rebatch(global_batch)
+        elif validation is not None:
+            kwargs.setdefault("validation_batch_size", global_batch)
+
+        callbacks = list(kwargs.pop("callbacks", None) or [])
+        backup = self._backup_callback(callbacks)
+        if backup is not None:
+            # First: restores the model before other callbacks look at it.
+            callbacks.insert(0, backup)
+        history = model.fit(*args, callbacks=callbacks, **kwargs)
+        epochs = len(history.epoch)
+        for key in EFFECTIVE_KEYS:
+            history.history[key] = [float(info[key])] * epochs
+        return history
+
+    def _apply_learning_rate(self, hp, model, scale: float) -> Optional[float]:
+        # The optimizer's variables are the strategy's (mirrored) variables.
+        with model.distribute_strategy.scope():
+            if self.lr_scaling is not None:
+                _set_learning_rate(model, hp.get(self.learning_rate_hp), scale)
+            return _current_learning_rate(model)
+
+    def _backup_callback(self, callbacks) -> Optional[BackupAndRestore]:
+        if self.backup is False:
+            return None
+        found = _find_trial(callbacks)
+        if found is None:
+            return None  # Not called by a KerasTuner tuner: nothing to key on.
+        tuner, trial = found
+        trial_id = str(trial.trial_id)
+        # One directory per execution: with executions_per_trial > 1 a
+        # finished execution's (deleted) backup must not be resumed by the
+        # next one. Numbered per process, so a rerun counts from 0 again and
+        # reruns finished executions from scratch, resuming the killed one.
+        execution = self._executions.get(trial_id, 0)
+        self._executions[trial_id] = execution + 1
+        directory = os.path.join(
+            tuner.get_trial_dir(trial_id), "backup", f"execution_{execution}"
+        )
+        return BackupAndRestore(directory, save_freq=self.backup, keep=2)
+
+
+@keras.saving.register_keras_serializable(package="keras_mgpu")
+class ScaledSchedule(keras.optimizers.schedules.LearningRateSchedule):
+    """A learning-rate schedule multiplied by a constant factor.
+
+    Args:
+        schedule: The base `LearningRateSchedule`.
+        scale: The factor.
+
+    Example:
+
+    >>> base = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.5)
+    >>> round(float(ScaledSchedule(base, 4.0)(0)), 6)
+    0.4
+    """
+
+    def __init__(self, schedule, scale: float):
+        self.schedule = schedule
+        self.scale = float(scale)
+
+    def __call__(self, step):
+        return self.schedule(step) * self.scale
+
+    def get_config(self):
+        return {
+            "schedule": keras.saving.serialize_keras_object(self.schedule),
+            "scale": self.scale,
+        }
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        config["schedule"] = keras.saving.deserialize_keras_object(
+            config["schedule"]
+        )
+        return cls(**config)
+
+
+def _set_learning_rate(model, base, scale: float) -> None:
+    optimizer = model.optimizer
+    # A LossScaleOptimizer forwards to its inner optimizer.
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    current = inner._learning_rate if hasattr(inner, "_learning_rate") else None
+    if isinstance(current, ScaledSchedule):
+        current.scale = float(scale)
+    elif isinstance(current, keras.optimizers.schedules.LearningRateSchedule):
+        inner.learning_rate = ScaledSchedule(current, scale)
+    else:
+        inner.learning_rate = float(base) * float(scale)
+
+
+def _current_learning_rate(model) -> Optional[float]:
+    optimizer = model.optimizer
+    if optimizer is None:
+        return None
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    schedule = getattr(inner, "_learning_rate", None)
+    if isinstance(schedule, keras.optimizers.schedules.LearningRateSchedule):
+        return float(schedule(0))  # The rate at step 0.
+    return float(keras.ops.convert_to_numpy(inner.learning_rate))
+
+
+def _maybe_accumulate(model, accum_steps: Optional[int]):
+    if isinstance(model, GradientAccumulationModel):
+        if accum_steps is not None and accum_steps != model.accum_steps:
+            raise keras_tuner.errors.FatalValueError(
+                f"build_fn returned a GradientAccumulationModel with "
+                f"accum_steps={model.accum_steps}, but the hypermodel has "
+                f"accum_steps={accum_steps}. Either return the plain model "
+                "and let the hypermodel wrap it, or pass accum_steps=None."
+            )
+        return model
+    if accum_steps is None or accum_steps == 1:
+        return model
+    if model.optimizer is None:
+        raise keras_tuner.errors.FatalValueError(
+            f"accum_steps={accum_steps} needs a compiled model from build_fn "
+            "(the wrapper is compiled with the model's compile arguments). "
+            "Compile the model in build_fn."
+        )
+    compile_args = keras.saving.deserialize_keras_object(
+        model.get_compile_config()
+    )
+    try:
+        # From its config, not clone_model: a clone comes back compiled, and
+        # the wrapper refuses a compiled inner model.
+        inner = type(model).from_config(model.get_config())
+    except Exception as e:
+        raise keras_tuner.errors.FatalValueError(
+            f"Cannot tune accum_steps={accum_steps}: the model returned by "
+            f"build_fn cannot be rebuilt uncompiled from its config ({e}). "
+            "Return a keras_mgpu.GradientAccumulationModel from build_fn "
+            "yourself (reading hp.Choice('accum_steps', ...)) and pass "
+            "accum_steps=None."
+        ) from e
+    if model.built and inner.built:
+        inner.set_weights(model.get_weights())
+    wrapper = GradientAccumulationModel(inner, accum_steps=accum_steps)
+    wrapper.compile(**compile_args)
+    return wrapper
+
+
+def _dataset_batch(dataset, replicas: int, per_replica: Optional[int]) -> int:
+    """The per-replica batch of an already batched dataset used as it is."""
+    batch = tf.nest.flatten(dataset.element_spec)[0].shape
+    batch = batch[0] if batch.rank else None
+    if batch is None:
+        raise keras_tuner.errors.FatalValueError(
+            "rebatch=False uses the tf.data input as batched, but its batch "
+            "size is not static. Batch it with drop_remainder=True, or pass "
+            "rebatch=True (the default) to re-batch it to each trial's "
+            "global batch."
+        )
+    if per_replica is None:
+        if batch % replicas:
+            raise keras_tuner.errors.FatalValueError(
+                f"The tf.data input's batch of {batch} does not split evenly "
+                f"over {replicas} replicas. Batch it to a multiple of "
+                f"{replicas}, or pass per_replica_batch_size and rebatch=True."
+            )
+        return batch // replicas
+    if batch % per_replica or batch != per_replica * replicas:
+        raise keras_tuner.errors.FatalValueError(
+            f"per_replica_batch_size={per_replica} with {replicas} replicas "
+            f"needs a global batch of {per_replica * replicas}, but the "
+            f"tf.data input is batched to {batch} (rebatch=False), which "
+            + (f"{per_replica} does not divide" if batch % per_replica
+               else "is a different size")
+            + ". Pass rebatch=True (the default) to re-batch it per trial, "
+            f"or batch the dataset to {per_replica * replicas}."
+        )
+    return per_replica
+
+
+def _as_list(value) -> list:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _check_positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+
+
+def _check_choices(name: str, value) -> None:
+    if value is None:
+        return
+    values = _as_list(value)
+    if not values:
+        raise ValueError(f"{name} must not be an empty list.")
+    for v in values:
+        _check_positive_int(name, v)
+
+
+# --- Launcher -----------------------------------------------------------------
+
+
+def plan_workers(
+    devices: Sequence[str] = (),
+    devices_per_trial: int = 1,
+    num_workers: Optional[int] = None,
+    *,
+    oracle_port: int,
+    oracle_ip: str = "127.0.0.1",
+) -> list:
+    """Plans the environment of the chief and of each tuning worker.
+
+    The chief (first) holds KerasTuner's oracle and sees no GPU. Worker `i`
+    (tuner id `tuner{i}`) gets device group `i`: `devices_per_trial`
+    consecutive entries of `devices`, as its `CUDA_VISIBLE_DEVICES`.
+    Without devices, workers run on the CPU (`CUDA_VISIBLE_DEVICES=-1`).
+
+    Args:
+        devices: Defaults to `()`. GPU ids (e.g. `["0", "1", ...]`).
+        devices_per_trial: Defaults to 1. GPUs per trial; must divide
+            `len(devices)`.
+        num_workers: Defaults to `None`: one per device group (1 without
+            devices). Fewer leaves groups unused; more is an error.
+        oracle_port: The chief oracle's port.
+        oracle_ip: Defaults to `"127.0.0.1"`.
+
+    Returns:
+        One environment dict per process, chief first.
+
+    Example:
+
+    >>> envs = plan_workers([str(i) for i in range(8)], 2, oracle_port=8000)
+    >>> [(e["KERASTUNER_TUNER_ID"], e["CUDA_VISIBLE_DEVICES"]) for e in envs]
+    ... # doctest: +NORMALIZE_WHITESPACE
+    [('chief', '-1'), ('tuner0', '0,1'), ('tuner1', '2,3'),
+     ('tuner2', '4,5'), ('tuner3', '6,7')]
+    """
+    devices = [str(d) for d in devices]
+    _check_positive_int("devices_per_trial", devices_per_trial)
+    if num_workers is not None:
+        _check_positive_int("num_workers", num_workers)
+    if devices:
+        if len(devices) % devices_per_trial:
+            raise ValueError(
+                f"devices_per_trial={devices_per_trial} does not divide the "
+                f"{len(devices)} devices {devices}: "
+                f"{len(devices) % devices_per_trial} would sit idle. Use a "
+                f"divisor of {len(devices)}, or pass the devices to use."
+            )
+        groups = [
+            ",".join(devices[i:i + devices_per_trial])
+            for i in range(0, len(devices), devices_per_trial)
+        ]
+        if num_workers is not None:
+            if num_workers > len(groups):
+                raise ValueError(
+                    f"num_workers={num_workers} needs {num_workers} device "
+                    f"groups of {devices_per_trial}, but only {len(groups)} "
+                    f"fit in {len(devices)} devices."
+                )
+            groups = groups[:num_workers]
+    else:
+        groups = ["-1"] * (num_workers or 1)
+    common = {
+        "KERASTUNER_ORACLE_IP": oracle_ip,
+        "KERASTUNER_ORACLE_PORT": str(oracle_port),
+        # Trials are independent single-host jobs, not one TF cluster.
+        "TF_CONFIG": "{}",
+    }
+    envs = [{**common, "KERASTUNER_TUNER_ID": "chief",
+             "CUDA_VISIBLE_DEVICES": "-1"}]
+    for i, group in enumerate(groups):
+        envs.append({**common, "KERASTUNER_TUNER_ID": f"tuner{i}",
+                     "CUDA_VISIBLE_DEVICES": group})
+    return envs
+
+
+def local_gpus() -> list:
+    """Ids of this host's GPUs as `CUDA_VISIBLE_DEVICES` would name them."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    count = len(tf.config.list_physical_devices("GPU"))
+    if visible is not None and visible.strip() not in ("", "-1"):
+        return [d.strip() for d in visible.split(",")][:count]
+    return [str(i) for i in range(count)]
+
+
+def launch(
+    target: launcher.Target,
+    *,
+    devices: Optional[Sequence[str]] = None,
+    devices_per_trial: int = 1,
+    num_workers: Optional[int] = None,
+    kwargs: Optional[Mapping[str, Any]] = None,
+    args: Sequence[str] = (),
+    timeout: float = 3600.0,
+    env: Optional[Mapping[str, str]] = None,
+    cwd: Optional[str] = None,
+    kill_when_printed: Optional[str] = None,
+    kill_workers: Optional[Sequence[int]] = None,
+) -> list:
+    """Runs a tuning program as a chief plus one worker per device group.
+
+    The same `target` runs in every process; KerasTuner's environment
+    variables (`KERASTUNER_TUNER_ID`, `KERASTUNER_ORACLE_IP`,
+    `KERASTUNER_ORACLE_PORT`) make `tuner.search()` serve the oracle on the
+    chief and run trials on the workers. Each worker's
+    `CUDA_VISIBLE_DEVICES` is its device group, so `keras_mgpu.auto_strategy()`
+    in it mirrors over that group: with 8 GPUs, `devices_per_trial=2` runs 4
+    trials of 2 GPUs at a time, `devices_per_trial=1` runs 8 of 1. Waits with
+    a timeout and kills every process on any failure
+    (`keras_mgpu.launcher.run_local_workers`).
+
+    Args:
+        target: A script path, a `"module:function"` string or a
+            module-level function (see `run_local_workers`).
+        devices: Defaults to `None`: this host's GPUs (`local_gpus()`).
+        devices_per_trial: Defaults to 1.
+        num_workers: Defaults to `None`: one per device group (1 on a host
+            without GPUs).
+        kwargs: Defaults to `None`. Keyword arguments of a function target.
+        args: Defaults to `()`. Command-line arguments of a script target.
+        timeout: Defaults to 3600. Seconds for the whole search.
+        env: Defaults to `None`. Extra environment for every process.
+        cwd: Defaults to `None`, the current directory.
+        kill_when_printed: Defaults to `None`. See `run_local_workers`.
+        kill_workers: Defaults to `None`. Process indices to kill (0 is the
+            chief).
+
+    Returns:
+        One `keras_mgpu.launcher.WorkerResult` per process, chief first.
+
+    Example:
+
+    >>> launch("tune.py", devices_per_trial=2)  # doctest: +SKIP
+    """
+    if devices is None:
+        devices = local_gpus()
+    port = launcher.free_ports(1)[0]
+    envs = plan_workers(devices, devices_per_trial, num_workers,
+                        oracle_port=port)
+    extra = dict(env or {})
+    return launcher.run_local_workers(
+        target, len(envs), kwargs=kwargs, args=args, timeout=timeout,
+        env=lambda i: {**extra, **envs[i]}, cwd=cwd,
+        kill_when_printed=kill_when_printed, kill_workers=kill_workers,
+        kill_signal=signal.SIGKILL,
+    )
+
+
+# --- keras-tuner internals ----------------------------------------------------
+# Everything below relies on keras-tuner details that are not public API
+# (checked with keras-tuner 1.4.8). Keep all such uses here.
+
+
+def _find_trial(callbacks):
+    """(tuner, trial) from the callbacks `Tuner.run_trial` passes to `fit`.
+
+    `HyperModel.fit` gets no trial, but KerasTuner appends its private
+    `tuner_utils.TunerCallback(tuner, trial)` to the callbacks of every
+    trial; the trial id and the tuner's `get_trial_dir` key the backup.
+    """
+    for callback in callbacks:
+        tuner = getattr(callback, "tuner", None)
+        trial = getattr(callback, "trial", None)
+        if (
+            tuner is not None
+            and hasattr(tuner, "get_trial_dir")
+            and getattr(trial, "trial_id", None) is not None
+        ):
+            return tuner, trial
+    return None

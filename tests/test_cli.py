@@ -1,0 +1,396 @@
+"""`keras-mgpu doctor` and `keras-mgpu bench`.
+
+GPU machines are exercised through recorded `nvidia-smi` output in
+`tests/fixtures/nvidia_smi/`; the bench runs for real on logical CPUs once,
+with tiny steps, and everything else is tested without child processes.
+"""
+
+import doctest
+import importlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from keras_mgpu import _bench
+from keras_mgpu import _doctor
+from keras_mgpu import cli
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "nvidia_smi")
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+CPU = {"name": "/physical_device:CPU:0", "type": "CPU"}
+
+
+def fixture_text(name):
+    with open(os.path.join(FIXTURES, name)) as f:
+        return f.read()
+
+
+def smi_runner(box):
+    """A fake nvidia-smi answering from the recorded files of `box`."""
+    topo, query = fixture_text(f"{box}_topo.txt"), fixture_text(
+        f"{box}_query.txt")
+    return lambda args: topo if args[0] == "topo" else query
+
+
+def tf_gpus_like(box):
+    """TensorFlow's device list on `box`: what get_device_details would say."""
+    gpus = _doctor.parse_gpu_query(fixture_text(f"{box}_query.txt"))
+    return [CPU] + [
+        {"name": f"/physical_device:GPU:{g['index']}", "type": "GPU",
+         "device_name": g["name"], "compute_capability": g["compute_capability"]}
+        for g in gpus]
+
+
+def codes(report, level=None):
+    return [f["code"] for f in report["findings"]
+            if level is None or f["level"] == level]
+
+
+# --- nvidia-smi parsing ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("box, count, kind, pcie", [
+    ("a100_8x_nvlink", 8, "nvlink", []),
+    ("p100_4x_pcie", 4, "pcie", ["NODE", "PHB", "SYS"]),
+    ("t4_2x", 2, "pcie", ["PHB"]),
+])
+def test_parse_topology_fixtures(box, count, kind, pcie):
+    topo = _doctor.parse_topology(fixture_text(f"{box}_topo.txt"))
+    assert topo["gpus"] == [f"GPU{i}" for i in range(count)]
+    assert topo["kind"] == kind
+    assert topo["pcie_links"] == pcie
+    matrix = topo["matrix"]
+    # NIC rows and affinity columns are not part of the GPU matrix.
+    assert [len(row) for row in matrix] == [count] * count
+    for i in range(count):
+        assert matrix[i][i] == "X"
+        for j in range(count):
+            assert matrix[i][j] == matrix[j][i]
+    if box == "a100_8x_nvlink":
+        assert matrix[0][7] == "NV12"
+
+
+def test_parse_topology_variants():
+    assert _doctor.parse_topology("") is None
+    assert _doctor.parse_topology("No devices were found\n") is None
+    # Copied from a terminal: spaces instead of tabs, ANSI bold header.
+    text = ("\x1b[4m\tGPU0\tGPU1\tGPU2\x1b[0m\n"
+            "GPU0     X      NV2     PHB    0-7\n"
+            "GPU1    NV2      X      PHB    0-7\n"
+            "GPU2    PHB     PHB      X     0-7\n")
+    topo = _doctor.parse_topology(text)
+    assert topo["kind"] == "mixed"
+    assert topo["matrix"][0] == ["X", "NV2", "PHB"]
+    with pytest.raises(ValueError, match="GPU rows"):
+        _doctor.parse_topology("\tGPU0\tGPU1\nGPU0\t X \tNV1\n")
+
+
+@pytest.mark.parametrize("box, name, memory, cc", [
+    ("a100_8x_nvlink", "NVIDIA A100-SXM4-80GB", 81920, [8, 0]),
+    ("p100_4x_pcie", "Tesla P100-PCIE-16GB", 16384, [6, 0]),
+    ("t4_2x", "Tesla T4", 15360, [7, 5]),
+])
+def test_parse_gpu_query_fixtures(box, name, memory, cc):
+    gpus = _doctor.parse_gpu_query(fixture_text(f"{box}_query.txt"))
+    assert [g["index"] for g in gpus] == list(range(len(gpus)))
+    assert {g["name"] for g in gpus} == {name}
+    assert {g["memory_mib"] for g in gpus} == {memory}
+    assert all(g["compute_capability"] == cc for g in gpus)
+    assert gpus[0]["pci_bus_id"].startswith("00000000:")
+
+
+def test_parse_gpu_query_without_header_or_compute_cap():
+    gpus = _doctor.parse_gpu_query("0, Tesla V100-SXM2-16GB, 16160, 7.0\n")
+    assert gpus[0]["memory_mib"] == 16160
+    assert gpus[0]["compute_capability"] == [7, 0]
+    old_driver = ("index, name, memory.total [MiB], pci.bus_id\n"
+                  "0, Tesla K80, 11441 MiB, 00000000:00:04.0\n")
+    assert _doctor.parse_gpu_query(old_driver)[0]["compute_capability"] is None
+
+
+# --- doctor: the report -------------------------------------------------------------
+
+
+def test_doctor_a100_nvlink_box():
+    report = _doctor.collect(nvidia_smi_runner=smi_runner("a100_8x_nvlink"),
+                             devices=tf_gpus_like("a100_8x_nvlink"), env={})
+    assert report["ok"]
+    assert report["interconnect"]["kind"] == "nvlink"
+    assert len(report["gpus"]) == 8
+    assert report["gpus"][0]["memory_mib"] == 81920
+    assert report["strategy"]["kind"] == "mirrored"
+    assert "8 GPUs" in report["strategy"]["description"]
+    assert report["mixed_precision"]["policy"] == "mixed_bfloat16"
+    assert "pcie_only" not in codes(report)
+    assert "mixed_precision_unsupported" not in codes(report)
+    json.dumps(report)  # JSON-ready
+
+
+def test_doctor_pcie_box_advises_hierarchical_all_reduce():
+    report = _doctor.collect(nvidia_smi_runner=smi_runner("p100_4x_pcie"),
+                             devices=tf_gpus_like("p100_4x_pcie"), env={})
+    assert report["ok"]  # warnings, no error
+    warnings = {f["code"]: f for f in report["findings"]
+                if f["level"] == "warning"}
+    assert set(warnings) == {"pcie_only", "mixed_precision_unsupported"}
+    assert "HierarchicalCopyAllReduce" in warnings["pcie_only"]["advice"]
+    assert "6.0" in warnings["mixed_precision_unsupported"]["message"]
+    text = _doctor.format_report(report)
+    assert "GPU3  SYS   SYS   NODE  X" in text
+    assert "[warning] 4 GPUs linked over PCIe only" in text
+
+
+def test_doctor_two_gpu_pcie_box_is_not_warned():
+    report = _doctor.collect(nvidia_smi_runner=smi_runner("t4_2x"),
+                             devices=tf_gpus_like("t4_2x"), env={})
+    assert codes(report, "warning") == []
+    assert "mixed_precision_float16" in codes(report, "info")
+    assert report["mixed_precision"]["policy"] == "mixed_float16"
+
+
+def test_doctor_gpus_that_tensorflow_cannot_see():
+    report = _doctor.collect(nvidia_smi_runner=smi_runner("t4_2x"),
+                             devices=[CPU], env={"CUDA_VISIBLE_DEVICES": ""})
+    assert codes(report, "warning") == ["gpus_invisible_to_tensorflow"]
+    assert [g["visible_to_tensorflow"] for g in report["gpus"]] == [False] * 2
+    assert report["strategy"]["kind"] == "default"
+
+
+def test_doctor_on_this_cpu_machine():
+    report = _doctor.collect(nvidia_smi_runner=lambda args: None, env={})
+    assert report["nvidia_smi"] is False
+    assert report["gpus"] == [] and report["interconnect"] is None
+    assert any(d["type"] == "CPU" for d in report["devices"])
+    no_gpu = next(f for f in report["findings"] if f["code"] == "no_gpu")
+    assert "virtual_cpus=N" in no_gpu["advice"]
+    assert report["strategy"]["kind"] == "default"
+    assert report["keras_backend"] == "tensorflow"
+    for name in ("Python", "TensorFlow", "Keras", "KerasTuner", "xprof",
+                 "wandb"):
+        assert report["software"][name]
+
+
+def test_doctor_tf_config():
+    bad = _doctor.collect(nvidia_smi_runner=lambda args: None, devices=[CPU],
+                          env={"TF_CONFIG": '{"cluster": {"worker": ["a"]}}'})
+    assert not bad["ok"]
+    assert codes(bad, "error") == ["tf_config_invalid"]
+    assert "'a'" in bad["findings"][0]["message"]
+    assert bad["strategy"]["kind"] is None
+    good = _doctor.collect(
+        nvidia_smi_runner=lambda args: None, devices=[CPU],
+        env={"TF_CONFIG": json.dumps({
+            "cluster": {"chief": ["h0:1"], "worker": ["h1:1", "h2:1"]},
+            "task": {"type": "worker", "index": 1}})})
+    assert good["ok"]
+    assert good["strategy"]["kind"] == "multi_worker"
+    assert good["cluster"]["num_workers"] == 3
+    assert good["cluster"]["worker_index"] == 2
+    assert not good["cluster"]["is_chief"]
+
+
+def test_doctor_missing_optional_package(monkeypatch):
+    monkeypatch.setitem(_doctor.OPTIONAL_PACKAGES, "wandb",
+                        ("surely-not-installed-wandb",))
+    quiet = _doctor.collect(nvidia_smi_runner=lambda args: None,
+                            devices=[CPU], env={})
+    assert quiet["software"]["wandb"] == "not installed"
+    assert "missing_wandb" in codes(quiet, "info") and quiet["ok"]
+    needed = _doctor.collect(nvidia_smi_runner=lambda args: None,
+                             devices=[CPU], env={}, need=["wandb", "tuner"])
+    assert codes(needed, "error") == ["missing_wandb"]
+    assert not needed["ok"]
+    with pytest.raises(ValueError, match="'gpu'"):
+        _doctor.collect(nvidia_smi_runner=lambda args: None, devices=[CPU],
+                        env={}, need=["gpu"])
+
+
+# --- doctor: the command ---------------------------------------------------------
+
+
+def test_doctor_command_json_and_exit_codes(capsys, monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    assert cli.main(["doctor", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["schema"] == _doctor.SCHEMA and report["ok"]
+    monkeypatch.setenv("TF_CONFIG", "{not json")
+    assert cli.main(["doctor"]) == 1
+    out = capsys.readouterr().out
+    assert "[error] TF_CONFIG is malformed" in out
+
+
+def test_doctor_command_with_recorded_nvidia_smi(capsys, monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    assert cli.main([
+        "doctor",
+        "--nvidia-smi-topo", os.path.join(FIXTURES, "p100_4x_pcie_topo.txt"),
+        "--nvidia-smi-query", os.path.join(FIXTURES, "p100_4x_pcie_query.txt"),
+        "--assume-tf-sees-smi-gpus"]) == 0
+    out = capsys.readouterr().out
+    assert "Tesla P100-PCIE-16GB" in out
+    assert "MirroredStrategy over 4 GPUs" in out
+    assert "HierarchicalCopyAllReduce" in out
+
+
+def test_doctor_need_rejects_unknown_feature(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["doctor", "--need", "tuner,gpus"])
+    assert e.value.code == 2
+    assert "'gpus'" in capsys.readouterr().err
+
+
+# --- bench: arguments ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--replicas", "0"], "0 is out of range"),
+    (["--replicas", "1,two"], "'two'"),
+    (["--replicas", "65"], "65 is out of range"),
+    (["--precision", "fp64"], "'fp64'"),
+    (["--precision", "float32,"], "''"),
+    (["--model", "vgg"], "'vgg'"),
+    (["--accum", "0"], "--accum: 0"),
+    (["--steps", "0"], "--steps: '0'"),
+    (["--batch-size", "-4"], "--batch-size: '-4'"),
+    (["--precision", "mixed"], "--precision mixed_bfloat16"),
+])
+def test_bench_argument_errors(argv, named, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", *argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert named in err, err
+
+
+def test_resolve_precisions_uses_choose_policy():
+    assert _bench.resolve_precisions(["mixed"], [(7, 5)]) == {
+        "mixed": "mixed_float16"}
+    assert _bench.resolve_precisions(["mixed_bfloat16"], []) == {
+        "mixed_bfloat16": "mixed_bfloat16"}
+    with pytest.raises(ValueError, match="compute capability 6.0"):
+        _bench.resolve_precisions(["mixed"], [(6, 0)])
+
+
+# --- bench: results, schema, plot (no child processes) --------------------------
+
+
+def fake_payload(on_gpu=True):
+    settings = {"model": "resnet", "replicas": [1, 2, 4],
+                "precisions": ["float32", "mixed"], "accum": [1],
+                "batch_size": 32, "steps": 10, "repeats": 3,
+                "warmup_steps": 3}
+    policies = {"float32": "float32", "mixed": "mixed_bfloat16"}
+    rates = {("float32", 1): 1000.0, ("float32", 2): 1900.0,
+             ("float32", 4): 3600.0, ("mixed", 1): 2500.0,
+             ("mixed", 2): 4500.0, ("mixed", 4): 8000.0}
+    outputs = []
+    for n in settings["replicas"]:
+        results = []
+        for precision, policy in policies.items():
+            rate = rates[(precision, n)]
+            results.append({
+                "replicas": n, "precision": precision, "policy": policy,
+                "accum_steps": 1, "global_batch_size": 32 * n,
+                "epoch_seconds": [320 * n / rate] * 3,
+                "step_time_ms": 32000.0 * n / rate, "examples_per_s": rate,
+                "scaling_efficiency": None,
+                "peak_memory_bytes": ((2 if precision == "float32" else 1)
+                                      * 2**30 if on_gpu else None),
+                "input_examples_per_s": 1e6, "input_wait_fraction": None})
+        outputs.append({"gpus": ["NVIDIA A100-SXM4-80GB"] * n if on_gpu
+                        else [], "results": results})
+    return _bench.combine(settings, policies, outputs, on_gpu)
+
+
+def test_combine_efficiency_and_mixed_precision():
+    payload = fake_payload()
+    _bench.validate(payload)
+    eff = {(r["precision"], r["replicas"]): r["scaling_efficiency"]
+           for r in payload["results"]}
+    assert eff[("float32", 1)] == pytest.approx(1.0)
+    assert eff[("float32", 2)] == pytest.approx(0.95)
+    assert eff[("float32", 4)] == pytest.approx(0.9)
+    assert eff[("mixed", 4)] == pytest.approx(0.8)
+    mixed = {m["replicas"]: m for m in payload["mixed_precision"]}
+    assert mixed[1]["speedup"] == pytest.approx(2.5)
+    assert mixed[1]["peak_memory_change"] == pytest.approx(-0.5)
+    assert payload["device"]["kind"] == "gpu" and payload["notes"] == []
+    table = _bench.format_table(payload)
+    assert "mixed_bfloat16 speed-up 2.50x, peak memory -50%" in table
+    cpu = fake_payload(on_gpu=False)
+    assert cpu["mixed_precision"][0]["peak_memory_change"] is None
+    assert "not GPU performance" in _bench.format_table(cpu)
+
+
+@pytest.mark.parametrize("mutate, named", [
+    (lambda p: p.update(schema="v0"), "schema"),
+    (lambda p: p.pop("results"), "'results'"),
+    (lambda p: p["results"][0].pop("examples_per_s"), "'examples_per_s'"),
+    (lambda p: p["results"][1].update(replicas="2"), "results[1].replicas"),
+    (lambda p: p["results"][0].update(epoch_seconds=[]), "epoch_seconds"),
+    (lambda p: p["settings"].update(model="vgg"), "settings.model"),
+    (lambda p: p["device"].update(logical_cpus="no"), "device.logical_cpus"),
+    (lambda p: p["mixed_precision"][0].update(speedup=None),
+     "mixed_precision[0].speedup"),
+    (lambda p: p["input_wait"].pop("fraction"), "'fraction'"),
+])
+def test_validate_names_the_broken_field(mutate, named):
+    payload = fake_payload()
+    mutate(payload)
+    with pytest.raises(ValueError) as e:
+        _bench.validate(payload)
+    assert named in str(e.value)
+
+
+def test_plot_writes_a_png(tmp_path):
+    path = tmp_path / "scaling.png"
+    _bench.plot(fake_payload(), str(path))
+    data = path.read_bytes()
+    assert data.startswith(PNG_SIGNATURE)
+    assert len(data) > 10_000
+
+
+# --- bench: end to end on logical CPUs -----------------------------------------
+
+
+def test_bench_end_to_end_on_logical_cpus(tmp_path):
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="-1", TF_CPP_MIN_LOG_LEVEL="2")
+    env.pop("TF_CONFIG", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "keras_mgpu.cli", "bench", "--model", "mlp",
+         "--replicas", "1,2", "--steps", "2", "--repeats", "1",
+         "--warmup-steps", "1", "--batch-size", "4", "--json", str(out),
+         "--plot", str(png)],
+        capture_output=True, text=True, timeout=400, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "not GPU performance" in done.stdout
+    assert "examples/s" in done.stdout
+    payload = json.loads(out.read_text())
+    _bench.validate(payload)
+    assert payload["device"] == {**payload["device"], "kind": "cpu",
+                                 "logical_cpus": True, "gpus": []}
+    results = {r["replicas"]: r for r in payload["results"]}
+    assert sorted(results) == [1, 2]
+    assert results[1]["scaling_efficiency"] == pytest.approx(1.0)
+    assert results[2]["global_batch_size"] == 8
+    assert results[2]["scaling_efficiency"] > 0
+    assert all(r["peak_memory_bytes"] is None for r in results.values())
+    assert payload["input_wait"]["fraction"] is None
+    assert "by construction" in payload["input_wait"]["reason"]
+    data = png.read_bytes()
+    assert data.startswith(PNG_SIGNATURE) and len(data) > 10_000
+
+
+# --- docstring examples ------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["keras_mgpu._doctor", "keras_mgpu._bench",
+                                  "keras_mgpu.cli"])
+def test_docstring_examples_run(name):
+    result = doctest.testmod(importlib.import_module(name),
+                             optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0

@@ -1,0 +1,366 @@
+"""`keras_mgpu.tuner`: real KerasTuner searches under real strategies and processes."""
+
+import gc
+import importlib
+import math
+import os
+import subprocess
+import sys
+
+import keras
+import keras_tuner
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from keras_mgpu import GradientAccumulationModel
+from keras_mgpu import tuner as mgpu_tuner
+from tests import tuner_workers
+from tests.conftest import mirrored
+
+
+class StepsRecorder(keras.callbacks.Callback):
+    """Records each trial's steps per epoch and final optimizer iterations."""
+
+    seen = []
+
+    def on_train_begin(self, logs=None):
+        StepsRecorder.seen.append({
+            "steps": 0,
+            "model": type(self.model).__name__,
+            "policy": self.model.dtype_policy.name,
+        })
+
+    def on_train_batch_end(self, batch, logs=None):
+        # Counted, not read from params: a re-batched dataset has no
+        # known cardinality.
+        if self.params.get("epochs", 1) and batch + 1 > self.seen[-1]["steps"]:
+            StepsRecorder.seen[-1]["steps"] = batch + 1
+
+
+@pytest.fixture(autouse=True)
+def _reset():
+    StepsRecorder.seen = []
+    yield
+    keras.mixed_precision.set_global_policy("float32")
+
+
+def _trials(tuner):
+    return sorted(tuner.oracle.trials.values(), key=lambda t: t.trial_id)
+
+
+def _metric(trial, name):
+    return float(trial.metrics.get_last_value(name))
+
+
+# --- optional dependency --------------------------------------------------------
+
+
+def test_import_keras_mgpu_does_not_import_keras_tuner():
+    code = ("import sys, keras_mgpu; "
+            "assert 'keras_tuner' not in sys.modules; "
+            "assert 'keras_mgpu.tuner' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120,
+                   env={**os.environ, "CUDA_VISIBLE_DEVICES": "-1"})
+
+
+def test_missing_keras_tuner_gives_install_hint(monkeypatch):
+    monkeypatch.setitem(sys.modules, "keras_tuner", None)
+    monkeypatch.delitem(sys.modules, "keras_mgpu.tuner")
+    with pytest.raises(ImportError, match=r'pip install "keras-mgpu\[tuner\]"'):
+        importlib.import_module("keras_mgpu.tuner")
+
+
+# --- searches -------------------------------------------------------------------
+
+
+def test_random_search_rebatches_dataset_and_scales_lr(tmp_path):
+    x, y = tuner_workers.data(64)
+    # Batched to 5 on purpose: every trial re-batches to its global batch.
+    train = tf.data.Dataset.from_tensor_slices((x, y)).batch(5)
+    hypermodel = mgpu_tuner.StrategyAwareHyperModel(
+        tuner_workers.build_model, per_replica_batch_size=[4, 8],
+        lr_scaling="linear")
+    tuner = keras_tuner.RandomSearch(
+        hypermodel, objective="val_loss", max_trials=3, seed=1,
+        directory=str(tmp_path), distribution_strategy=mirrored(2))
+    tuner.search(train, validation_data=train, epochs=1, verbose=0,
+                 callbacks=[StepsRecorder()])
+    trials = [t for t in _trials(tuner) if t.status == "COMPLETED"]
+    assert len(trials) == 3
+    for trial, seen in zip(trials, StepsRecorder.seen):
+        per_replica = trial.hyperparameters.get("per_replica_batch_size")
+        assert _metric(trial, "effective/replicas") == 2
+        assert _metric(trial, "effective/global_batch_size") == 2 * per_replica
+        assert seen["steps"] == math.ceil(64 / (2 * per_replica))
+        assert _metric(trial, "effective/lr_scale") == 2.0
+        assert _metric(trial, "effective/learning_rate") == pytest.approx(
+            2 * trial.hyperparameters.get("learning_rate"), rel=1e-6)
+
+
+def test_grid_search_tunes_accumulation_and_precision_numpy(tmp_path):
+    def build(hp):
+        model = keras.Sequential([keras.Input((tuner_workers.FEATURES,)),
+                                  keras.layers.Dense(4),
+                                  keras.layers.Dense(1, dtype="float32")])
+        model.compile(keras.optimizers.Adam(
+            hp.Fixed("learning_rate", 0.01)), "mse")
+        return model
+
+    hypermodel = mgpu_tuner.StrategyAwareHyperModel(
+        build, lr_scaling="sqrt", accum_steps=[1, 2],
+        precision=["float32", "mixed_bfloat16"])
+    tuner = keras_tuner.GridSearch(
+        hypermodel, objective="loss", directory=str(tmp_path),
+        distribution_strategy=mirrored(2))
+    x, y = tuner_workers.data(64)
+    # A numpy batch_size is per replica: global batch 2 * 8.
+    tuner.search(x, y, batch_size=8, epochs=1, verbose=0,
+                 callbacks=[StepsRecorder()])
+    trials = _trials(tuner)
+    assert [t.status for t in trials] == ["COMPLETED"] * 4
+    combos = set()
+    for trial, seen in zip(trials, StepsRecorder.seen):
+        accum = trial.hyperparameters.get("accum_steps")
+        precision = trial.hyperparameters.get("precision")
+        combos.add((accum, precision))
+        assert seen["steps"] == 64 // 16
+        assert seen["model"] == ("GradientAccumulationModel" if accum > 1
+                                 else "Sequential")
+        assert seen["policy"] == precision
+        assert _metric(trial, "effective/global_batch_size") == 16
+        assert _metric(trial, "effective/batch_size") == 16 * accum
+        assert _metric(trial, "effective/lr_scale") == pytest.approx(
+            math.sqrt(2 * accum))
+        assert _metric(trial, "effective/learning_rate") == pytest.approx(
+            0.01 * math.sqrt(2 * accum), rel=1e-5)
+    assert combos == {(1, "float32"), (2, "float32"), (1, "mixed_bfloat16"),
+                      (2, "mixed_bfloat16")}
+    assert keras.mixed_precision.global_policy().name == "float32"
+
+
+@pytest.mark.parametrize("kind", ["bayesian", "hyperband"])
+def test_bayesian_and_hyperband_under_mirrored(tmp_path, kind):
+    hypermodel = mgpu_tuner.StrategyAwareHyperModel(
+        tuner_workers.build_model, per_replica_batch_size=8,
+        reference_batch_size=32)
+    common = dict(objective="loss", directory=str(tmp_path),
+                  distribution_strategy=mirrored(2))
+    if kind == "bayesian":
+        tuner = keras_tuner.BayesianOptimization(
+            hypermodel, max_trials=3, num_initial_points=2, seed=2, **common)
+    else:
+        tuner = keras_tuner.Hyperband(
+            hypermodel, max_epochs=2, factor=2, hyperband_iterations=1, seed=2,
+            **common)
+    x, y = tuner_workers.data(64)
+    tuner.search(x, y, epochs=2, verbose=0)
+    trials = [t for t in _trials(tuner) if t.status == "COMPLETED"]
+    assert len(trials) >= 2
+    for trial in trials:
+        # 8 per replica x 2 replicas against the reference batch of 32.
+        assert _metric(trial, "effective/lr_scale") == 0.5
+    best = tuner.get_best_models(1)[0]
+    assert best.predict(x[:4], verbose=0).shape == (4, 1)
+
+
+def test_learning_rate_schedule_is_scaled(tmp_path):
+    def build(hp):
+        model = keras.Sequential([keras.Input((tuner_workers.FEATURES,)),
+                                  keras.layers.Dense(1)])
+        base = hp.Float("learning_rate", 0.01, 0.02)
+        model.compile(keras.optimizers.SGD(
+            keras.optimizers.schedules.ExponentialDecay(base, 10, 0.5)), "mse")
+        return model
+
+    hypermodel = mgpu_tuner.StrategyAwareHyperModel(
+        build, per_replica_batch_size=4, accum_steps=2)
+    tuner = keras_tuner.RandomSearch(
+        hypermodel, objective="loss", max_trials=1, directory=str(tmp_path),
+        distribution_strategy=mirrored(2))
+    x, y = tuner_workers.data(32)
+    tuner.search(x, y, epochs=1, verbose=0)
+    trial = _trials(tuner)[0]
+    assert _metric(trial, "effective/lr_scale") == 4.0  # 2 replicas x 2
+    assert _metric(trial, "effective/learning_rate") == pytest.approx(
+        4 * trial.hyperparameters.get("learning_rate"), rel=1e-5)
+
+
+def test_memory_is_released_across_trials(tmp_path):
+    page = os.sysconf("SC_PAGE_SIZE")
+    rss = []
+
+    class Measuring(keras_tuner.RandomSearch):
+        def on_trial_end(self, trial):
+            super().on_trial_end(trial)
+            gc.collect()
+            with open("/proc/self/statm") as f:
+                rss.append(int(f.read().split()[1]) * page / 2**20)
+
+    hypermodel = mgpu_tuner.StrategyAwareHyperModel(
+        tuner_workers.build_model, per_replica_batch_size=8)
+    tuner = Measuring(hypermodel, objective="loss", max_trials=10, seed=4,
+                      max_consecutive_failed_trials=1,
+                      directory=str(tmp_path), distribution_strategy=mirrored(2))
+    x, y = tuner_workers.data(64)
+    tuner.search(x, y, epochs=1, verbose=0)
+    assert len(rss) == 10
+    gc.collect()
+    live_models = [o for o in gc.get_objects() if isinstance(o, keras.Model)]
+    # The trials' models are gone (at most the last one lingers in a frame).
+    assert len(live_models) <= 1, live_models
+    # After warm-up, ten trials add no more than a few MiB each of allocator
+    # slack; a leaked model and its traced functions per trial would not fit.
+    assert rss[-1] - rss[2] < 60, rss
+
+
+# --- errors ---------------------------------------------------------------------
+
+
+def test_unknown_lr_scaling_lists_valid_rules():
+    with pytest.raises(ValueError, match=r"'cubic'.*'linear', 'sqrt', None"):
+        mgpu_tuner.StrategyAwareHyperModel(tuner_workers.build_model,
+                                           lr_scaling="cubic")
+
+
+def test_missing_learning_rate_hp_names_fix(tmp_path):
+    def build(hp):
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(
+            hp.Choice("units", [1, 2]))])
+        model.compile("sgd", "mse")
+        return model
+
+    hypermodel = mgpu_tuner.StrategyAwareHyperModel(build, lr_scaling="sqrt")
+    with pytest.raises(ValueError, match=r"'learning_rate'.*hp\.Float"):
+        keras_tuner.RandomSearch(hypermodel, objective="loss", max_trials=1,
+                                 directory=str(tmp_path))
+
+
+def test_dataset_batch_not_divisible_without_rebatch(tmp_path):
+    x, y = tuner_workers.data(60)
+    train = tf.data.Dataset.from_tensor_slices((x, y)).batch(
+        12, drop_remainder=True)
+    hypermodel = mgpu_tuner.StrategyAwareHyperModel(
+        tuner_workers.build_model, per_replica_batch_size=8, rebatch=False)
+    tuner = keras_tuner.RandomSearch(
+        hypermodel, objective="loss", max_trials=1, directory=str(tmp_path),
+        distribution_strategy=mirrored(2))
+    with pytest.raises(keras_tuner.errors.FatalValueError,
+                       match=r"per_replica_batch_size=8.*batched to 12.*"
+                             r"8 does not divide.*rebatch=True"):
+        tuner.search(train, epochs=1, verbose=0)
+
+
+def test_dataset_used_as_batched_without_rebatch(tmp_path):
+    x, y = tuner_workers.data(64)
+    train = tf.data.Dataset.from_tensor_slices((x, y)).batch(
+        16, drop_remainder=True)
+    hypermodel = mgpu_tuner.StrategyAwareHyperModel(
+        tuner_workers.build_model, rebatch=False)
+    tuner = keras_tuner.RandomSearch(
+        hypermodel, objective="loss", max_trials=1, directory=str(tmp_path),
+        distribution_strategy=mirrored(2))
+    tuner.search(train, epochs=1, verbose=0, callbacks=[StepsRecorder()])
+    trial = _trials(tuner)[0]
+    assert _metric(trial, "effective/per_replica_batch_size") == 8
+    assert StepsRecorder.seen[0]["steps"] == 4
+
+
+def test_accumulation_wrapper_from_build_fn_is_kept(tmp_path):
+    def build(hp):
+        inner = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model = GradientAccumulationModel(inner, accum_steps=3)
+        model.compile(keras.optimizers.SGD(hp.Fixed("learning_rate", 0.1)),
+                      "mse")
+        return model
+
+    hypermodel = mgpu_tuner.StrategyAwareHyperModel(
+        build, per_replica_batch_size=2, accum_steps=[3, 4])
+    with pytest.raises(ValueError, match=r"accum_steps=3.*accum_steps=4"):
+        tuner = keras_tuner.GridSearch(hypermodel, objective="loss",
+                                       directory=str(tmp_path))
+        tuner.search(np.ones((24, 4)), np.ones((24, 1)), epochs=1, verbose=0)
+
+
+# --- launcher planning ----------------------------------------------------------
+
+
+def test_plan_workers_device_groups():
+    gpus = [str(i) for i in range(8)]
+    envs = mgpu_tuner.plan_workers(gpus, 2, oracle_port=1234)
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == [
+        "-1", "0,1", "2,3", "4,5", "6,7"]
+    assert [e["KERASTUNER_TUNER_ID"] for e in envs] == [
+        "chief", "tuner0", "tuner1", "tuner2", "tuner3"]
+    assert all(e["KERASTUNER_ORACLE_PORT"] == "1234" for e in envs)
+    assert all(e["TF_CONFIG"] == "{}" for e in envs)
+    assert len(mgpu_tuner.plan_workers(gpus, 1, oracle_port=1)) == 9
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in mgpu_tuner.plan_workers(
+        gpus, 4, num_workers=1, oracle_port=1)] == ["-1", "0,1,2,3"]
+    cpu = mgpu_tuner.plan_workers([], num_workers=2, oracle_port=1)
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in cpu] == ["-1", "-1", "-1"]
+
+
+def test_plan_workers_errors():
+    with pytest.raises(ValueError, match=r"devices_per_trial=3.*8 devices"):
+        mgpu_tuner.plan_workers([str(i) for i in range(8)], 3, oracle_port=1)
+    with pytest.raises(ValueError, match=r"num_workers=3.*only 2"):
+        mgpu_tuner.plan_workers(["0", "1", "2", "3"], 2, num_workers=3,
+                                oracle_port=1)
+
+
+# --- real processes ---------------------------------------------------------------
+
+
+def test_killed_search_resumes_without_redoing_trials(run_workers, tmp_path):
+    directory = str(tmp_path)
+    env = {"TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": "-1",
+           "TF_CONFIG": "{}"}
+    first = run_workers(
+        tuner_workers.resumable_search, 1, env=env, timeout=180,
+        kwargs={"directory": directory, "kill_trial": "1", "kill_epoch": 2,
+                "sleep": 120},
+        kill_when_printed="KILL-ME")
+    assert first[0].killed
+    log = tuner_workers.read_log(os.path.join(directory, "epochs.jsonl"))
+    killed_pid = log[0]["pid"]
+    assert [(r["trial"], r["epoch"]) for r in log] == [
+        ("0", 0), ("0", 1), ("0", 2), ("0", 3), ("1", 0), ("1", 1)]
+
+    second = run_workers(tuner_workers.resumable_search, 1, env=env,
+                         timeout=180, kwargs={"directory": directory})
+    assert second[0].result["trials"] == {
+        "0": "COMPLETED", "1": "COMPLETED", "2": "COMPLETED"}
+    rerun = [r for r in tuner_workers.read_log(
+        os.path.join(directory, "epochs.jsonl")) if r["pid"] != killed_pid]
+    # Trial 0 is not redone; trial 1 resumes at epoch 2 with its optimizer
+    # state (4 steps per epoch: 64 samples, global batch 8 x 2 replicas).
+    assert [(r["trial"], r["epoch"]) for r in rerun] == [
+        ("1", 2), ("1", 3), ("2", 0), ("2", 1), ("2", 2), ("2", 3)]
+    assert [r["iterations"] for r in rerun[:2]] == [12, 16]
+    # Finished trials leave no backups behind.
+    assert not os.path.exists(os.path.join(
+        directory, "resume", "trial_1", "backup", "execution_0"))
+
+
+def test_launch_chief_and_two_workers(tmp_path):
+    results = mgpu_tuner.launch(
+        tuner_workers.parallel_search, devices=[], num_workers=2,
+        kwargs={"directory": str(tmp_path), "max_trials": 4}, timeout=240,
+        env={"TF_CPP_MIN_LOG_LEVEL": "2"})
+    chief, *workers = [r.result for r in results]
+    assert chief["tuner_id"] == "chief" and chief["trained"] == []
+    assert {t["status"] for t in chief["trials"].values()} == {"COMPLETED"}
+    assert sorted(chief["trials"]) == ["0", "1", "2", "3"]
+    assert all(t["replicas"] == 2 for t in chief["trials"].values())
+    trained = [set(w["trained"]) for w in workers]
+    assert all(trained), trained            # both workers ran trials
+    assert trained[0].isdisjoint(trained[1])
+    assert trained[0] | trained[1] == {"0", "1", "2", "3"}
+    # The oracle state lives in the project directory, written by the chief.
+    reloaded = keras_tuner.RandomSearch(
+        mgpu_tuner.StrategyAwareHyperModel(tuner_workers.build_model),
+        objective="loss", max_trials=4, directory=str(tmp_path),
+        project_name="parallel")
+    assert len(reloaded.oracle.trials) == 4
+    assert reloaded.remaining_trials == 0

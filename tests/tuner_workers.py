@@ -1,0 +1,138 @@
+"""Tuning programs for `tests/test_tuner.py`: in-process helpers and worker entry points.
+
+A worker-process entry point creates its strategy first, before any other
+TensorFlow call.
+"""
+
+import json
+import os
+import time
+
+import numpy as np
+
+FEATURES = 8
+
+
+def data(num_samples=64, seed=0):
+    rng = np.random.RandomState(seed)
+    x = rng.randn(num_samples, FEATURES).astype("float32")
+    y = (x @ rng.randn(FEATURES, 1)).astype("float32")
+    return x, y
+
+
+def build_model(hp):
+    """A tiny regression MLP whose base learning rate is the `learning_rate` hp."""
+    import keras
+
+    units = hp.Choice("units", [4, 8])
+    model = keras.Sequential([
+        keras.Input((FEATURES,)),
+        keras.layers.Dense(units, activation="tanh"),
+        keras.layers.Dense(1),
+    ])
+    lr = hp.Float("learning_rate", 1e-3, 1e-2, sampling="log")
+    model.compile(keras.optimizers.SGD(lr), "mse")
+    return model
+
+
+def make_recording_hypermodel(log_path, kill_trial=None, kill_epoch=None,
+                              sleep=0.0, **kwargs):
+    """A StrategyAwareHyperModel that logs each trained epoch to `log_path`."""
+    import keras
+
+    from keras_mgpu import tuner as mgpu_tuner
+
+    class Recorder(keras.callbacks.Callback):
+        def __init__(self, trial_id):
+            super().__init__()
+            self.trial_id = trial_id
+
+        def on_epoch_begin(self, epoch, logs=None):
+            if self.trial_id == kill_trial and epoch == kill_epoch:
+                # The backup of the epochs before this one is already
+                # committed (BackupAndRestore runs first): die in here.
+                print("KILL-ME", flush=True)
+                time.sleep(sleep)
+
+        def on_epoch_end(self, epoch, logs=None):
+            record = {
+                "trial": self.trial_id, "epoch": epoch, "pid": os.getpid(),
+                "iterations": int(self.model.optimizer.iterations.numpy()),
+            }
+            with open(log_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    class RecordingHyperModel(mgpu_tuner.StrategyAwareHyperModel):
+        def fit(self, hp, model, *args, callbacks=None, **kw):
+            _, trial = mgpu_tuner._find_trial(callbacks)
+            callbacks = list(callbacks) + [Recorder(trial.trial_id)]
+            return super().fit(hp, model, *args, callbacks=callbacks, **kw)
+
+    return RecordingHyperModel(build_model, **kwargs)
+
+
+def read_log(log_path):
+    if not os.path.exists(log_path):
+        return []
+    with open(log_path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def resumable_search(directory, kill_trial=None, kill_epoch=None, sleep=0.0):
+    """Worker entry point: 3 trials x 4 epochs, rerunnable with overwrite=False."""
+    import keras_mgpu
+
+    strategy = keras_mgpu.auto_strategy(virtual_cpus=2)
+    import keras_tuner
+
+    log_path = os.path.join(directory, "epochs.jsonl")
+    hypermodel = make_recording_hypermodel(
+        log_path, kill_trial, kill_epoch, sleep, per_replica_batch_size=8)
+    tuner = keras_tuner.RandomSearch(
+        hypermodel, objective="loss", max_trials=3, seed=3,
+        directory=directory, project_name="resume", overwrite=False,
+        distribution_strategy=strategy)
+    x, y = data()
+    tuner.search(x, y, epochs=4, verbose=0)
+    return {
+        "trials": {t.trial_id: t.status for t in tuner.oracle.trials.values()},
+    }
+
+
+def parallel_search(directory, max_trials=4):
+    """Worker entry point for `keras_mgpu.tuner.launch`: chief or worker."""
+    import keras_mgpu
+
+    strategy = keras_mgpu.auto_strategy(virtual_cpus=2)
+    import keras_tuner
+
+    tuner_id = os.environ["KERASTUNER_TUNER_ID"]
+    log_path = os.path.join(directory, f"epochs_{tuner_id}.jsonl")
+    if tuner_id != "chief":
+        # Both workers ask for trials only once both are up, so each runs
+        # some: the test shows trials really ran in parallel processes.
+        open(os.path.join(directory, f"up_{tuner_id}"), "w").close()
+        deadline = time.monotonic() + 120
+        while sum(n.startswith("up_") for n in os.listdir(directory)) < 2:
+            if time.monotonic() > deadline:
+                raise TimeoutError("the other tuning worker never started")
+            time.sleep(0.2)
+    hypermodel = make_recording_hypermodel(log_path, per_replica_batch_size=4)
+    tuner = keras_tuner.RandomSearch(
+        hypermodel, objective="loss", max_trials=max_trials, seed=5,
+        directory=directory, project_name="parallel",
+        distribution_strategy=strategy)
+    x, y = data(32)
+    tuner.search(x, y, epochs=1, verbose=0)
+    result = {"tuner_id": tuner_id,
+              "trained": sorted({r["trial"] for r in read_log(log_path)})}
+    if tuner_id == "chief":
+        result["trials"] = {
+            t.trial_id: {
+                "status": t.status,
+                "replicas": float(
+                    t.metrics.get_last_value("effective/replicas")),
+            }
+            for t in tuner.oracle.trials.values()
+        }
+    return result
