@@ -5,8 +5,6 @@ GPU machines are exercised through recorded `nvidia-smi` output in
 with tiny steps, and everything else is tested without child processes.
 """
 
-import doctest
-import importlib
 import json
 import os
 import subprocess
@@ -383,14 +381,3 @@ def test_bench_end_to_end_on_logical_cpus(tmp_path):
     assert "by construction" in payload["input_wait"]["reason"]
     data = png.read_bytes()
     assert data.startswith(PNG_SIGNATURE) and len(data) > 10_000
-
-
-# --- docstring examples ------------------------------------------------------
-
-
-@pytest.mark.parametrize("name", ["keras_mgpu._doctor", "keras_mgpu._bench",
-                                  "keras_mgpu.cli"])
-def test_docstring_examples_run(name):
-    result = doctest.testmod(importlib.import_module(name),
-                             optionflags=doctest.ELLIPSIS)
-    assert result.failed == 0

@@ -10,7 +10,8 @@ MODULES = ["keras_mgpu.strategy", "keras_mgpu.compat", "keras_mgpu.launcher",
            "keras_mgpu.accumulation", "keras_mgpu.mixed_precision",
            "keras_mgpu.layers.fp32_output_head",
            "keras_mgpu.callbacks.backup_and_restore",
-           "keras_mgpu.callbacks.distributed_logger", "keras_mgpu.data"]
+           "keras_mgpu.callbacks.distributed_logger", "keras_mgpu.data",
+           "keras_mgpu._doctor", "keras_mgpu._bench"]
 
 
 @pytest.mark.parametrize("name", MODULES)
