@@ -29,7 +29,7 @@ def build_model(hp):
     return model
 
 
-def main(directory="tune_runs"):
+def main(directory="tune_runs", trials=4, epochs=3):
     import keras_mgpu
 
     # Listing physical devices does not initialise them: logical CPUs can
@@ -50,10 +50,10 @@ def main(directory="tune_runs"):
         build_model, per_replica_batch_size=[16, 32], lr_scaling="linear",
         accum_steps=[1, 2])
     tuner = keras_tuner.RandomSearch(
-        hypermodel, objective="val_loss", max_trials=4, seed=0,
+        hypermodel, objective="val_loss", max_trials=trials, seed=0,
         directory=directory, project_name="digits",
         distribution_strategy=strategy)
-    tuner.search(train, validation_data=val, epochs=3, verbose=0)
+    tuner.search(train, validation_data=val, epochs=epochs, verbose=0)
     if os.environ.get("KERASTUNER_TUNER_ID", "chief") == "chief":
         best = tuner.oracle.get_best_trials(1)[0]
         print("best:", best.hyperparameters.values,
@@ -71,8 +71,11 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--parallel", action="store_true")
     parser.add_argument("--devices-per-trial", type=int, default=1)
-    parser.add_argument("--directory", default="tune_runs")
+    parser.add_argument("--directory", "--workdir", default="tune_runs")
+    parser.add_argument("--smoke", action="store_true",
+                        help="2 trials of 1 epoch, as the test suite runs it")
     options = parser.parse_args()
+    size = {"trials": 2, "epochs": 1} if options.smoke else {}
     if options.parallel and "KERASTUNER_TUNER_ID" not in os.environ:
         from keras_mgpu import tuner as mgpu_tuner
 
@@ -82,7 +85,8 @@ if __name__ == "__main__":
             os.path.abspath(__file__), devices=gpus,
             devices_per_trial=options.devices_per_trial,
             num_workers=None if gpus else 2,
-            args=["--parallel", "--directory", options.directory])
+            args=["--parallel", "--directory", options.directory]
+            + (["--smoke"] if options.smoke else []))
         print(results[0].stdout)
     else:
-        main(options.directory)
+        main(options.directory, **size)

@@ -24,6 +24,7 @@ def run_example(name, tmp_path, *args, timeout=300):
 
 
 @pytest.mark.parametrize("name, expected", [
+    ("demo.py", "test accuracy:"),
     ("accumulation.py", "optimizer steps in all: 12"),
     ("mixed_precision.py", "output dtype: float32"),
     ("logging_example.py", "tensorboard --logdir"),
@@ -31,6 +32,7 @@ def run_example(name, tmp_path, *args, timeout=300):
     ("data_pipeline.py", "records verified: 1437"),
     ("custom_training_loop.py", "fit: same weights as the loop"),
     ("multi_worker.py", '"replicas": 2'),
+    ("tune.py", "effective/global_batch_size"),
 ])
 def test_example_runs(name, expected, tmp_path):
     assert expected in run_example(name, tmp_path)
