@@ -571,7 +571,13 @@ def format_table(payload: Mapping[str, Any]) -> str:
 
 def plot(payload: Mapping[str, Any], path: str) -> None:
     """Writes a PNG: throughput and efficiency against replicas, with the ideal."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError(
+            "keras-mgpu bench --plot needs matplotlib: "
+            'pip install "keras-mgpu[plot]"'
+        ) from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
