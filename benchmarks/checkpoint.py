@@ -48,6 +48,7 @@ from keras_mgpu.callbacks import backup_and_restore as ours_lib  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from _timing import EpochTimer  # noqa: E402
 
 NONE = "no callback"
 KERAS = "keras"
@@ -80,24 +81,6 @@ class TimedBackup(ours_lib.BackupAndRestore):
             return super()._save(epoch, step_in_epoch)
         finally:
             self.save_seconds.append(time.perf_counter() - start)
-
-
-class EpochTimer:
-    """A pair of callbacks timing each epoch: put one first, one last."""
-
-    def __init__(self):
-        self.times = []
-        timer = self
-
-        class Start(keras.callbacks.Callback):
-            def on_epoch_begin(self, epoch, logs=None):
-                timer._start = time.perf_counter()
-
-        class Stop(keras.callbacks.Callback):
-            def on_epoch_end(self, epoch, logs=None):
-                timer.times.append(time.perf_counter() - timer._start)
-
-        self.start, self.stop = Start(), Stop()
 
 
 def build(features: int, width: int) -> keras.Model:

@@ -16,7 +16,6 @@ import argparse
 import os
 import shutil
 import tempfile
-import time
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -24,6 +23,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from _timing import EpochTimer  # noqa: E402
 
 from keras_mgpu.callbacks.distributed_logger import DistributedLogger  # noqa: E402
 
@@ -43,24 +43,6 @@ def configurations(log_root: str) -> dict:
         "DistributedLogger(update_freq=100)": lambda: [
             DistributedLogger(path("dl_100"), update_freq=100, console=False)],
     }
-
-
-class EpochTimer:
-    """A pair of callbacks timing each epoch: put one first, one last."""
-
-    def __init__(self):
-        self.times = []
-        timer = self
-
-        class Start(keras.callbacks.Callback):
-            def on_epoch_begin(self, epoch, logs=None):
-                timer._start = time.perf_counter()
-
-        class Stop(keras.callbacks.Callback):
-            def on_epoch_end(self, epoch, logs=None):
-                timer.times.append(time.perf_counter() - timer._start)
-
-        self.start, self.stop = Start(), Stop()
 
 
 def build(features: int, width: int) -> keras.Model:
