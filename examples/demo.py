@@ -24,6 +24,8 @@ import shutil
 import sys
 import time
 
+# TensorFlow's C++ info lines would bury the report.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
