@@ -293,3 +293,35 @@ def examples_seen(model) -> float | None:
     if count is None:
         return None
     return float(np.asarray(keras.ops.convert_to_numpy(count)))
+
+
+# --- Tuning (keras_mgpu.tuner) -----------------------------------------------
+# Keras 3.x optimizers keep a schedule, if any, in `_learning_rate` (the
+# public `learning_rate` evaluates it). keras-tuner 1.4 appends its private
+# `tuner_utils.TunerCallback(tuner, trial)` to every trial's callbacks.
+
+
+def learning_rate_schedule(optimizer):
+    """The optimizer's `LearningRateSchedule`, or None for a fixed rate."""
+    schedule = getattr(optimizer, "_learning_rate", None)
+    if isinstance(schedule, keras.optimizers.schedules.LearningRateSchedule):
+        return schedule
+    return None
+
+
+def tuner_and_trial(callbacks):
+    """(tuner, trial) from the callbacks KerasTuner passes to `fit`, or None.
+
+    `HyperModel.fit` gets no trial; the trial id and the tuner's
+    `get_trial_dir` key the per-trial backup.
+    """
+    for callback in callbacks:
+        tuner = getattr(callback, "tuner", None)
+        trial = getattr(callback, "trial", None)
+        if (
+            tuner is not None
+            and hasattr(tuner, "get_trial_dir")
+            and getattr(trial, "trial_id", None) is not None
+        ):
+            return tuner, trial
+    return None

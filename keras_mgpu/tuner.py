@@ -35,6 +35,7 @@ except ImportError as e:  # pragma: no cover - exercised in a test by hiding it
 import keras
 import tensorflow as tf
 
+from keras_mgpu import compat
 from keras_mgpu import launcher
 from keras_mgpu import strategy as strategy_lib
 from keras_mgpu.accumulation import GradientAccumulationModel
@@ -372,7 +373,7 @@ class StrategyAwareHyperModel(keras_tuner.HyperModel):
     def _backup_callback(self, callbacks) -> Optional[BackupAndRestore]:
         if self.backup is False:
             return None
-        found = _find_trial(callbacks)
+        found = compat.tuner_and_trial(callbacks)
         if found is None:
             return None  # Not called by a KerasTuner tuner: nothing to key on.
         tuner, trial = found
@@ -430,7 +431,7 @@ def _set_learning_rate(model, base, scale: float) -> None:
     optimizer = model.optimizer
     # A LossScaleOptimizer forwards to its inner optimizer.
     inner = getattr(optimizer, "inner_optimizer", optimizer)
-    current = inner._learning_rate if hasattr(inner, "_learning_rate") else None
+    current = compat.learning_rate_schedule(inner)
     if isinstance(current, ScaledSchedule):
         current.scale = float(scale)
     elif isinstance(current, keras.optimizers.schedules.LearningRateSchedule):
@@ -444,8 +445,8 @@ def _current_learning_rate(model) -> Optional[float]:
     if optimizer is None:
         return None
     inner = getattr(optimizer, "inner_optimizer", optimizer)
-    schedule = getattr(inner, "_learning_rate", None)
-    if isinstance(schedule, keras.optimizers.schedules.LearningRateSchedule):
+    schedule = compat.learning_rate_schedule(inner)
+    if schedule is not None:
         return float(schedule(0))  # The rate at step 0.
     return float(keras.ops.convert_to_numpy(inner.learning_rate))
 
@@ -689,27 +690,3 @@ def launch(
         kill_when_printed=kill_when_printed, kill_workers=kill_workers,
         kill_signal=signal.SIGKILL,
     )
-
-
-# --- keras-tuner internals ----------------------------------------------------
-# Everything below relies on keras-tuner details that are not public API
-# (checked with keras-tuner 1.4.8). Keep all such uses here.
-
-
-def _find_trial(callbacks):
-    """(tuner, trial) from the callbacks `Tuner.run_trial` passes to `fit`.
-
-    `HyperModel.fit` gets no trial, but KerasTuner appends its private
-    `tuner_utils.TunerCallback(tuner, trial)` to the callbacks of every
-    trial; the trial id and the tuner's `get_trial_dir` key the backup.
-    """
-    for callback in callbacks:
-        tuner = getattr(callback, "tuner", None)
-        trial = getattr(callback, "trial", None)
-        if (
-            tuner is not None
-            and hasattr(tuner, "get_trial_dir")
-            and getattr(trial, "trial_id", None) is not None
-        ):
-            return tuner, trial
-    return None

@@ -40,6 +40,7 @@ def make_recording_hypermodel(log_path, kill_trial=None, kill_epoch=None,
     """A StrategyAwareHyperModel that logs each trained epoch to `log_path`."""
     import keras
 
+    from keras_mgpu import compat
     from keras_mgpu import tuner as mgpu_tuner
 
     class Recorder(keras.callbacks.Callback):
@@ -64,7 +65,7 @@ def make_recording_hypermodel(log_path, kill_trial=None, kill_epoch=None,
 
     class RecordingHyperModel(mgpu_tuner.StrategyAwareHyperModel):
         def fit(self, hp, model, *args, callbacks=None, **kw):
-            _, trial = mgpu_tuner._find_trial(callbacks)
+            _, trial = compat.tuner_and_trial(callbacks)
             callbacks = list(callbacks) + [Recorder(trial.trial_id)]
             return super().fit(hp, model, *args, callbacks=callbacks, **kw)
 
