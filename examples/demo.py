@@ -119,9 +119,11 @@ def run(workdir: str, epochs: int, trials: int) -> dict:
     findings = mixed_precision.audit(model.inner)
     return {
         "chief": chief,
-        "strategy": type(strategy).__name__,
+        "strategy": ("MultiWorkerMirroredStrategy" if multi_worker
+                     else type(strategy).__name__),
         "replicas": strategy.num_replicas_in_sync,
-        "devices": "logical CPUs" if no_gpu else "GPUs",
+        "devices": ("CPUs" if multi_worker else "logical CPUs") if no_gpu
+        else "GPUs",
         "policy": policy,
         "units": int(units),
         "learning_rate": float(learning_rate),
@@ -161,9 +163,10 @@ def report(result: dict, workdir: str, workers: int) -> None:
               "examples/s (last epoch)")
     print(f"  logs:            {result['log_dir']}")
     print(f"  view them:       tensorboard --logdir {result['log_dir']}")
-    print(f"  on 2 workers:    python examples/demo.py --workers 2 "
-          f"--workdir {workdir}-2workers")
-    if result["devices"] == "logical CPUs":
+    if workers == 1:
+        print(f"  on 2 workers:    python examples/demo.py --workers 2 "
+              f"--workdir {workdir}-2workers")
+    if result["devices"] != "GPUs":
         print("  note: CPU run: figures show the mechanics, not GPU speed.")
 
 

@@ -246,3 +246,15 @@ def test_save_and_load_under_mirrored(policy, tmp_path):
                                model.predict(x, verbose=0), rtol=1e-6)
     history = loaded.fit(x, y, batch_size=8, epochs=1, verbose=0)
     assert history.history["head_nonfinite_inputs"] == [0.0]
+
+
+def test_counts_reach_fit_logs_under_multi_worker(run_workers):
+    # The counts are all-reduced inside the replica step, which under
+    # MultiWorkerMirroredStrategy needs a placed input.
+    from tests import workers
+
+    results = run_workers(workers.multi_worker_fp32_head)
+    for r in results:
+        assert r.result["head_nonfinite_inputs"] == [0.0, 0.0]
+        assert r.result["head_nonfinite_outputs"] == [0.0, 0.0]
+        assert len(r.result["loss"]) == 2

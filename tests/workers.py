@@ -139,3 +139,24 @@ def multi_worker_accumulation():
     import keras_mgpu
 
     return accumulation_run(keras_mgpu.auto_strategy())
+
+
+def multi_worker_fp32_head():
+    """Worker entry point: a model with FP32OutputHead under auto_strategy()."""
+    import keras_mgpu
+
+    strategy = keras_mgpu.auto_strategy()
+    import keras
+
+    from keras_mgpu.layers import FP32OutputHead
+
+    x, y = regression_data(64)
+    with strategy.scope():
+        model = keras.Sequential([
+            keras.Input((FEATURES,)),
+            keras.layers.Dense(8, activation="relu"),
+            FP32OutputHead(1, name="head"),
+        ])
+        model.compile("adam", "mse")
+    history = model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    return {k: [float(v) for v in vals] for k, vals in history.history.items()}

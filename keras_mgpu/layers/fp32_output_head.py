@@ -33,6 +33,10 @@ class _ReplicaSummedCount(keras.metrics.Sum):
         context = tf.distribute.get_replica_context()
         if context is None or context.num_replicas_in_sync == 1:
             return total
+        # A multi-worker all-reduce sends its result to its input's device,
+        # which must be named.
+        with tf.device(self.variables[0].value.device):
+            total = tf.identity(total)
         return context.all_reduce(tf.distribute.ReduceOp.SUM, total)
 
 
