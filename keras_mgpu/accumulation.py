@@ -7,6 +7,7 @@ import weakref
 import keras
 import tensorflow as tf
 
+from keras_mgpu._checks import is_positive_int
 from keras_mgpu import compat
 
 PARTIAL_WINDOW_MODES = ("apply", "carry", "drop")
@@ -393,9 +394,7 @@ def _accumulator_dtype(dtype) -> str:
 
 
 def _validate(model, accum_steps, partial_window) -> None:
-    if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or (
-        accum_steps < 1
-    ):
+    if not is_positive_int(accum_steps):
         raise ValueError(
             f"accum_steps must be a positive integer, got {accum_steps!r}. "
             "Use 1 for no accumulation, N to apply one optimizer step per N "

@@ -9,6 +9,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import numpy as np
 import tensorflow as tf
 
+from keras_mgpu._checks import is_positive_int
 from keras_mgpu import strategy as strategy_lib
 
 SPEC_FILE = "spec.json"
@@ -50,9 +51,7 @@ def write_tfrecords(
     >>> [p.rsplit("/", 1)[-1] for p in paths]
     ['data-00000-of-00002.tfrecord', 'data-00001-of-00002.tfrecord']
     """
-    if isinstance(num_shards, bool) or not isinstance(num_shards, int) or (
-        num_shards < 1
-    ):
+    if not is_positive_int(num_shards):
         raise ValueError(
             f"num_shards must be a positive integer, got {num_shards!r}."
         )
@@ -176,9 +175,7 @@ def tfrecord_dataset(
     >>> [tuple(x.shape) for x, y in ds]
     [(4, 3), (4, 3), (2, 3)]
     """
-    if isinstance(per_replica_batch_size, bool) or not isinstance(
-        per_replica_batch_size, int
-    ) or per_replica_batch_size < 1:
+    if not is_positive_int(per_replica_batch_size):
         raise ValueError(
             "per_replica_batch_size must be a positive integer, got "
             f"{per_replica_batch_size!r}."

@@ -19,6 +19,7 @@ import tempfile
 import time
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
+from keras_mgpu._checks import is_positive_int
 from keras_mgpu.strategy import make_tf_config
 
 RESULT_ENV = "KERAS_MGPU_RESULT"
@@ -148,9 +149,7 @@ def run_local_workers(
     >>> [(r.index, r.returncode, r.result) for r in results]
     [(0, 0, 'CPython'), (1, 0, 'CPython')]
     """
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or (
-        num_workers < 1
-    ):
+    if not is_positive_int(num_workers):
         raise ValueError(
             f"num_workers must be a positive integer, got {num_workers!r}."
         )

@@ -19,6 +19,8 @@ from typing import Any, Mapping, Optional, Sequence
 
 import tensorflow as tf
 
+from keras_mgpu._checks import is_positive_int
+
 _TRAINING_TASK_TYPES = ("chief", "worker")
 _KNOWN_TASK_TYPES = ("chief", "worker", "evaluator", "ps")
 
@@ -256,7 +258,7 @@ def configure_virtual_cpus(n: int) -> list:
     >>> configure_virtual_cpus(2)  # doctest: +SKIP
     ['/device:CPU:0', '/device:CPU:1']
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+    if not is_positive_int(n):
         raise ValueError(
             f"virtual_cpus must be a positive integer, got {n!r}."
         )

@@ -35,6 +35,7 @@ except ImportError as e:  # pragma: no cover - exercised in a test by hiding it
 import keras
 import tensorflow as tf
 
+from keras_mgpu._checks import is_positive_int
 from keras_mgpu import compat
 from keras_mgpu import launcher
 from keras_mgpu import strategy as strategy_lib
@@ -528,7 +529,7 @@ def _as_list(value) -> list:
 
 
 def _check_positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_positive_int(value):
         raise ValueError(f"{name} must be a positive integer, got {value!r}.")
 
 

@@ -19,6 +19,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_mgpu._checks import is_positive_int
 from keras_mgpu import compat
 from keras_mgpu import strategy as strategy_lib
 
@@ -146,16 +147,12 @@ class BackupAndRestore(keras.callbacks.Callback):
             raise ValueError(
                 f"backup_dir must be a non-empty path, got {backup_dir!r}."
             )
-        if save_freq != "epoch" and (
-            isinstance(save_freq, bool)
-            or not isinstance(save_freq, int)
-            or save_freq < 1
-        ):
+        if save_freq != "epoch" and not is_positive_int(save_freq):
             raise ValueError(
                 f"save_freq must be 'epoch' or a positive number of batches, "
                 f"got {save_freq!r}."
             )
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        if not is_positive_int(keep):
             raise ValueError(
                 f"keep must be a positive integer, got {keep!r}: the newest "
                 "generation is always kept."

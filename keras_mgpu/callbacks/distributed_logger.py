@@ -13,6 +13,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_mgpu._checks import is_positive_int
 from keras_mgpu import compat
 from keras_mgpu import strategy as strategy_lib
 from keras_mgpu import mixed_precision
@@ -519,20 +520,12 @@ def _validate(log_dir, update_freq, batch_size, wandb, profile_steps) -> None:
         raise TypeError(
             f"log_dir must be a non-empty path, got {log_dir!r}."
         )
-    if update_freq != "epoch" and (
-        isinstance(update_freq, bool)
-        or not isinstance(update_freq, int)
-        or update_freq < 1
-    ):
+    if update_freq != "epoch" and not is_positive_int(update_freq):
         raise ValueError(
             f"update_freq must be a positive integer (train batches per "
             f"record) or 'epoch', got {update_freq!r}."
         )
-    if batch_size is not None and (
-        isinstance(batch_size, bool)
-        or not isinstance(batch_size, int)
-        or batch_size < 1
-    ):
+    if batch_size is not None and not is_positive_int(batch_size):
         raise ValueError(
             f"batch_size must be a positive integer (the global batch size) "
             f"or None, got {batch_size!r}."
