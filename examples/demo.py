@@ -130,18 +130,18 @@ def run(workdir: str, epochs: int, trials: int) -> dict:
         "accuracy": float(accuracy),
         "test_examples": int(len(x_test)),
         "train_seconds": seconds,
-        "examples_per_sec": _last_epoch_throughput(log_dir) if chief else None,
+        "last_epoch": _last_epoch_record(log_dir) if chief else None,
         "optimizer_steps": int(model.optimizer.iterations.numpy()),
         "audit_findings": len(findings),
         "log_dir": log_dir,
     }
 
 
-def _last_epoch_throughput(log_dir: str):
+def _last_epoch_record(log_dir: str):
     with open(f"{log_dir}/metrics.jsonl") as f:
         records = [json.loads(line) for line in f]
     epochs = [r for r in records if r["kind"] == "epoch"]
-    return epochs[-1]["examples_per_sec"] if epochs else None
+    return epochs[-1] if epochs else None
 
 
 def report(result: dict, workdir: str, workers: int) -> None:
@@ -158,9 +158,15 @@ def report(result: dict, workdir: str, workers: int) -> None:
           "(2 micro-batches each)")
     print(f"  test accuracy:   {result['accuracy']:.3f} on "
           f"{result['test_examples']} held-out digits (chance: 0.100)")
-    if result["examples_per_sec"]:
-        print(f"  throughput:      {result['examples_per_sec']:,.0f} "
+    last = result["last_epoch"]
+    if last and last["examples_per_sec"]:
+        print(f"  throughput:      {last['examples_per_sec']:,.0f} "
               "examples/s (last epoch)")
+    if last and last["input_wait"] is not None:
+        bound = ("not" if last["input_bound"] == "no"
+                 else last["input_bound"])
+        print(f"  input wait:      {100 * last['input_wait']:.1f}% of step "
+              f"time ({bound} input-bound)")
     print(f"  logs:            {result['log_dir']}")
     print(f"  view them:       tensorboard --logdir {result['log_dir']}")
     if workers == 1:

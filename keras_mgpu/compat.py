@@ -325,3 +325,104 @@ def tuner_and_trial(callbacks):
         ):
             return tuner, trial
     return None
+
+
+# --- Input wait (keras_mgpu.callbacks.DistributedLogger) ---------------------
+# Keras 3.15's TensorFlow trainer makes `model.train_function` a plain closure
+# `function(iterator)` over `multi_step_on_iterator`, a `tf.function` that
+# fetches each batch inside the graph, with `iterator.get_next()` (or
+# `get_next_as_optional()` when `steps_per_execution > 1`), and returns an
+# `Optional` that `function` unwraps (raising StopIteration when empty).
+# A callback cannot time that fetch from the host, so the same Python step
+# is retraced with an iterator whose fetches are timed in the graph.
+INPUT_WAIT_WRITTEN_FOR = (Version("3.15.0"), Version("3.16.0.dev0"))
+
+
+def input_wait_supported(version: Version = KERAS_VERSION) -> bool:
+    """Whether Keras `version` has the train function `timed_train_function`
+    was written for."""
+    low, high = INPUT_WAIT_WRITTEN_FOR
+    return low <= version < high
+
+
+def timed_train_function(train_function, seconds_waited):
+    """Keras's `model.train_function`, also timing its input fetches.
+
+    The returned function trains exactly as `train_function` does (the same
+    Python step, traced once more) and adds to the float64 variable
+    `seconds_waited` the time each step was blocked fetching its batch:
+    from just before the iterator's get-next op starts until its outputs
+    exist, as `tf.timestamp` sees it inside the graph. No value leaves the
+    device per step.
+
+    Returns None when `train_function` is not Keras's compiled train function
+    (e.g. `run_eagerly=True`, another callback's stand-in, an unchecked Keras
+    version): then nothing can be timed.
+    """
+    import tensorflow as tf
+
+    if not input_wait_supported() or train_function is None:
+        return None
+    multi_step = _closure_value(train_function, "multi_step_on_iterator")
+    python_function = getattr(multi_step, "python_function", None)
+    if python_function is None:
+        return None
+
+    @tf.function(reduce_retracing=True)
+    def timed_multi_step(iterator):
+        return python_function(_TimedIterator(iterator, seconds_waited))
+
+    iterator_types = (tf.data.Iterator, tf.distribute.DistributedIterator)
+
+    def function(iterator):
+        if not isinstance(iterator, iterator_types):
+            return train_function(iterator)
+        optional_outputs = timed_multi_step(iterator)
+        if not optional_outputs.has_value():
+            raise StopIteration
+        return optional_outputs.get_value()
+
+    function.keras_train_function = train_function
+    return function
+
+
+def _closure_value(function, name):
+    code = getattr(function, "__code__", None)
+    if code is None or name not in code.co_freevars:
+        return None
+    return function.__closure__[code.co_freevars.index(name)].cell_contents
+
+
+class _TimedIterator:
+    """Wraps a dataset iterator while a train step is traced: each fetch is
+    bracketed by timestamps and its duration added to a variable."""
+
+    def __init__(self, iterator, seconds_waited):
+        self._iterator = iterator
+        self._seconds_waited = seconds_waited
+
+    def get_next(self):
+        return self._timed(self._iterator.get_next)
+
+    def get_next_as_optional(self):
+        return self._timed(self._iterator.get_next_as_optional)
+
+    def __next__(self):
+        return self._timed(self._iterator.__next__)
+
+    def __getattr__(self, name):
+        return getattr(self._iterator, name)
+
+    def _timed(self, fetch):
+        import tensorflow as tf
+
+        start = tf.timestamp()
+        with tf.control_dependencies([start]):
+            element = fetch()
+        outputs = [
+            t for t in tf.nest.flatten(element, expand_composites=True)
+            if isinstance(t, tf.Tensor)
+        ]
+        with tf.control_dependencies(outputs):
+            self._seconds_waited.assign_add(tf.timestamp() - start)
+        return element

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import tensorflow as tf
@@ -128,11 +128,12 @@ def tfrecord_dataset(
     drop_remainder: Optional[bool] = None,
     verify: str = "first",
     num_parallel_calls: int = tf.data.AUTOTUNE,
+    map_fn: Optional[Callable] = None,
 ) -> tf.data.Dataset:
     """Reads `write_tfrecords` shards back, batched to the global batch size.
 
-    The pipeline interleaves the shards in parallel, parses in parallel,
-    optionally caches and shuffles, batches to `per_replica_batch_size` times
+    The pipeline interleaves the shards in parallel, parses (and applies
+    `map_fn`) in parallel, optionally caches and shuffles, batches to `per_replica_batch_size` times
     the strategy's replica count, and prefetches. With a seed (or without
     shuffling) the order is deterministic: the same seed gives the same
     batches in every run, a requirement for exact resume.
@@ -160,7 +161,13 @@ def tfrecord_dataset(
             so a spec mismatch fails here, naming the file. `"all"`: also
             read every record, so a corrupt one fails here, naming its file
             and index. `"none"`: check nothing up front.
-        num_parallel_calls: Defaults to `tf.data.AUTOTUNE`.
+        num_parallel_calls: Defaults to `tf.data.AUTOTUNE`. Parallelism
+            of reading, parsing and `map_fn`.
+        map_fn: Defaults to `None`. A per-example function applied to the
+            parsed example (its arguments are the structure written, e.g.
+            `(x, y)`) before the cache: decoding, resizing. With
+            `cache=True` it runs in the first epoch only; apply random
+            augmentation to the returned dataset instead.
 
     Returns:
         A `tf.data.Dataset` of batches, ready for `fit` (or for
@@ -183,6 +190,10 @@ def tfrecord_dataset(
     if verify not in ("first", "all", "none"):
         raise ValueError(
             f"verify must be 'first', 'all' or 'none', got {verify!r}."
+        )
+    if map_fn is not None and not callable(map_fn):
+        raise TypeError(
+            f"map_fn must be a function of one parsed example, got {map_fn!r}."
         )
     files = sorted(tf.io.gfile.glob(pattern))
     if not files:
@@ -214,6 +225,9 @@ def tfrecord_dataset(
     )
     dataset = dataset.map(parse, num_parallel_calls=num_parallel_calls,
                           deterministic=True)
+    if map_fn is not None:
+        dataset = dataset.map(map_fn, num_parallel_calls=num_parallel_calls,
+                              deterministic=True)
     if cache:
         dataset = dataset.cache()
     if shuffle:

@@ -83,6 +83,30 @@ def test_cache_and_remainder(tmp_path):
     assert [int(x.shape[0]) for x, _ in ds] == [4, 4]
 
 
+def test_map_fn_runs_per_example_before_the_cache(tmp_path):
+    x, y = arrays(10)
+    data.write_tfrecords((x, y), str(tmp_path), num_shards=2)
+    calls = []
+
+    def decode(image, label):
+        # Counts its runs: once per example with the cache, not per epoch.
+        image = tf.numpy_function(lambda a: (calls.append(1), 2 * a)[1],
+                                  [image], tf.float32)
+        return tf.ensure_shape(image, (3, 2)), label
+
+    ds = data.tfrecord_dataset(str(tmp_path / "*.tfrecord"),
+                               per_replica_batch_size=4, cache=True,
+                               map_fn=decode)
+    for _ in range(3):
+        got_x, got_y = collect(ds)
+        np.testing.assert_array_equal(got_x, 2 * x)
+        np.testing.assert_array_equal(got_y, y)
+    assert len(calls) == 10
+    with pytest.raises(TypeError, match="map_fn must be a function.*got 3"):
+        data.tfrecord_dataset(str(tmp_path / "*.tfrecord"),
+                              per_replica_batch_size=4, map_fn=3)
+
+
 def test_no_files_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="No files match .*nothing"):
         data.tfrecord_dataset(str(tmp_path / "nothing-*.tfrecord"),

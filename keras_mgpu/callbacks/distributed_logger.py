@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib.util
 import json
 import os
+import queue
+import threading
 import time
 import warnings
 from typing import Optional, Union
@@ -32,6 +35,8 @@ JSONL_KEYS = (
     "examples_per_sec_per_replica",  # examples_per_sec / replicas
     "step_time_mean",  # seconds / steps
     "step_time_max",  # longest batch-begin to next-batch-begin interval
+    "input_wait",  # share of `seconds` train steps spent blocked on input
+    "input_bound",  # "no" (<= 5%), "moderately", "highly" (> 20%)
     "learning_rate",  # the optimizer's, schedules evaluated at its iterations
     "loss_scale",  # LossScaleOptimizer's dynamic scale, else null
     "skipped_steps",  # optimizer steps skipped for overflow in the record
@@ -42,6 +47,7 @@ JSONL_KEYS = (
     "replicas",  # replicas in sync, over all workers
     "worker_step_time",  # {"min", "mean", "max"} of step_time_mean by worker
     "worker_examples_per_sec",  # {"min", "mean", "max"} by worker
+    "worker_input_wait",  # {"min", "mean", "max"} of input_wait by worker
     "slowest_worker",  # rank with the largest step_time_mean
     "metrics",  # loss and compiled metrics, global values (val_* at epochs)
 )
@@ -59,6 +65,10 @@ class DistributedLogger(keras.callbacks.Callback):
     - examples/s, global and per replica, from the samples actually trained
       on (steps skipped for overflow still count as work);
     - step time: mean (window wall time / steps) and max;
+    - input wait: the share of the record's wall time the train steps spent
+      blocked fetching their batches, flagged (`input_bound`) above 5%
+      ("moderately") and 20% ("highly"), the thresholds of xprof's
+      input-pipeline analysis;
     - learning rate (through `LossScaleOptimizer` and schedules), loss scale
       and skipped steps under `mixed_float16`, current and peak memory per
       local GPU (peak reset every record), and `grad_norm` / `accum_step` of
@@ -76,16 +86,22 @@ class DistributedLogger(keras.callbacks.Callback):
     only hooks batch *begin*, so Keras does not convert per-batch logs for
     it and may dispatch other callbacks' batch ends asynchronously. A record
     closes at the next batch's begin (or at validation/epoch end): it reads
-    the metrics, which waits for the device, then stamps the time.
+    the metrics, which waits for the device, then stamps the time. Writing
+    (JSONL, TensorBoard, wandb) happens on a background thread, in order;
+    everything is on disk when `fit` returns.
 
     Examples are counted from Keras's loss tracker, which `fit` feeds with
     each batch's real size (the last short batch included). A model whose
     custom `train_step` does not feed it needs `batch_size`.
 
-    Input wait is not reported: `fit` fetches each batch inside its compiled
-    train function, so no callback can time the wait for the input pipeline
-    apart from compute. Profile a few steps (`profile_steps`) and read
-    TensorBoard's Profile > input-pipeline analysis, which does measure it.
+    Input wait is timed inside the train function: `fit` fetches each batch
+    in its compiled step, where no host clock can see it, so the callback
+    retraces Keras's own step with the fetch bracketed by `tf.timestamp`
+    ops that add its duration to a variable (read with the metrics). The
+    training math is unchanged. Without Keras's compiled train function
+    (`run_eagerly=True`, or batches another callback stands in for) a
+    record's `input_wait` is `null`. A multi-worker record gives the mean
+    over workers and flags `input_bound` from the most input-bound one.
 
     Args:
         log_dir: Directory for all output (created on the chief only).
@@ -149,13 +165,13 @@ class DistributedLogger(keras.callbacks.Callback):
         )
         self.console = console
         self.global_step = 0
-        self._writer = None
-        self._jsonl = None
-        self._wandb_run = None
+        self._sinks = None
         self._profiling = False
         self._pending_console = None
-        self._summary_fns = {}
         self._reader = None
+        self._seconds_waited = None
+        self._timed_functions = {}
+        self._timed_function = None
 
     # --- Keras hooks ---------------------------------------------------------
 
@@ -175,9 +191,13 @@ class DistributedLogger(keras.callbacks.Callback):
         # Traced at the first window close of this fit: the model's metrics
         # and the optimizer exist by then.
         self._reader = None
+        self._fit_model = self.model
+        if self._seconds_waited is None:
+            self._seconds_waited = _local_variable()
         _memory(self._num_gpus, reset=True)
         if self._chief:
-            self._open_sinks()
+            if self._sinks is None:
+                self._sinks = _Sinks(self.log_dir, self.wandb_config)
 
     def on_epoch_begin(self, epoch, logs=None):
         self._flush_console()
@@ -192,6 +212,7 @@ class DistributedLogger(keras.callbacks.Callback):
         self._window_steps = 0
         self._epoch_step_max = self._window_step_max = 0.0
         self._last_begin = None
+        self._epoch_untimed = self._window_untimed = False
 
     def on_train_batch_begin(self, batch, logs=None):
         # The hot path: a clock read, a comparison and counters. Everything
@@ -207,6 +228,8 @@ class DistributedLogger(keras.callbacks.Callback):
             self._epoch_start = now
         if self._window_start is None:
             self._window_start = now
+        if self._fit_model.train_function is not self._timed_function:
+            self._time_input()
         self.global_step += self._steps_per_call
         self._window_steps += self._steps_per_call
         if self._profile:
@@ -235,17 +258,40 @@ class DistributedLogger(keras.callbacks.Callback):
             return
         record["metrics"] = _floats(logs or {})
         if self._chief:
-            self._write(record)
+            self._sinks.submit(record)
             if self.console:
                 self._pending_console = _console_line(record)
             if self.params.get("verbose") != 1:
                 self._flush_console()
 
     def on_train_end(self, logs=None):
+        if self._fit_model.train_function is self._timed_function:
+            self._fit_model.train_function = self._timed_function.keras_train_function
+        self._timed_function = None
         self._stop_profiler()
         self._flush_console()
-        if self._chief:
-            self._close_sinks()
+        if self._sinks is not None:
+            sinks, self._sinks = self._sinks, None
+            sinks.close()
+
+    def _time_input(self):
+        """Puts the input-timing twin of `model.train_function` in its place.
+
+        Twins are cached by the function they stand for: a callback that
+        swaps the train function out and back (BackupAndRestore skipping
+        batches) gets the same twin back, with no retrace.
+        """
+        function = self._fit_model.train_function
+        cached = self._timed_functions.get(id(function))
+        if cached is None or cached[0] is not function:
+            cached = (function, compat.timed_train_function(
+                function, self._seconds_waited))
+            self._timed_functions[id(function)] = cached
+        if cached[1] is None:
+            # This batch's wait cannot be timed: its records report none.
+            self._window_untimed = self._epoch_untimed = True
+            return
+        self._fit_model.train_function = self._timed_function = cached[1]
 
     # --- Records -------------------------------------------------------------
 
@@ -265,6 +311,7 @@ class DistributedLogger(keras.callbacks.Callback):
             "examples": read["examples"],
             "iterations": read["iterations"],
             "micro_step": read["micro_step"],
+            "input_wait": read["input_wait"],
         }
         end = time.perf_counter()
         if self._last_begin is not None:
@@ -276,30 +323,34 @@ class DistributedLogger(keras.callbacks.Callback):
         window = self._measure(
             self._window_state, state, self._window_start, end,
             self._window_steps, self._window_step_max, final,
+            self._window_untimed,
         )
         rows = [_worker_row(window)]
         if final:
             epoch = self._measure(
                 self._epoch_state, state, self._epoch_start, end,
                 self._epoch_steps, self._epoch_step_max, final,
+                self._epoch_untimed,
             )
             rows.append(_worker_row(epoch))
         gathered = self._gather(np.concatenate(rows))
-        window.update(_across_workers(gathered[:, 0:2]))
+        width = rows[0].size
+        window.update(_across_workers(gathered[:, :width]))
         common = self._shared_fields(read)
         if self.update_freq != "epoch":
             record = _record("window", self._epoch, self.global_step, window,
                              common, metrics)
             if self._chief:
-                self._write(record)
+                self._sinks.submit(record)
         if final:
-            epoch.update(_across_workers(gathered[:, 2:4]))
+            epoch.update(_across_workers(gathered[:, width:]))
             self._epoch_record = _record("epoch", self._epoch,
                                          self.global_step, epoch, common, {})
         self._window_state = state
         self._window_start = None
         self._window_steps = 0
         self._window_step_max = 0.0
+        self._window_untimed = False
         return time.perf_counter()
 
     def _read_state(self, examples) -> dict:
@@ -312,9 +363,11 @@ class DistributedLogger(keras.callbacks.Callback):
                 int(optimizer.iterations.numpy()) if loss_scaled else None
             ),
             "micro_step": _accumulation(self.model)[0],
+            "input_wait": float(self._seconds_waited.numpy()),
         }
 
-    def _measure(self, start, state, t0, t1, steps, step_max, final) -> dict:
+    def _measure(self, start, state, t0, t1, steps, step_max, final,
+                 untimed) -> dict:
         seconds = max(t1 - t0, 1e-9)
         if self.batch_size is not None:
             examples = float(self.batch_size * steps)
@@ -342,6 +395,8 @@ class DistributedLogger(keras.callbacks.Callback):
             ),
             "step_time_mean": seconds / steps,
             "step_time_max": step_max,
+            "input_wait": None if untimed else min(
+                (state["input_wait"] - start["input_wait"]) / seconds, 1.0),
             "skipped_steps": skipped,
         }
 
@@ -361,7 +416,7 @@ class DistributedLogger(keras.callbacks.Callback):
             # read eagerly, the variables may not exist.
             return self._read_eagerly()
         if self._reader is None:
-            self._reader = _make_reader(self.model)
+            self._reader = _make_reader(self.model, self._seconds_waited)
         raw = self._reader()
         return {
             "metrics": _floats(raw["metrics"]),
@@ -371,6 +426,7 @@ class DistributedLogger(keras.callbacks.Callback):
             "grad_norm": _scalar(raw["grad_norm"], float),
             "learning_rate": _scalar(raw["learning_rate"], float),
             "loss_scale": _scalar(raw["loss_scale"], float),
+            "input_wait": _scalar(raw["input_wait"], float),
         }
 
     def _read_eagerly(self) -> dict:
@@ -407,77 +463,6 @@ class DistributedLogger(keras.callbacks.Callback):
         # One row per replica, replicas numbered worker by worker.
         return gathered.reshape(self._workers, -1, row.size)[:, 0]
 
-    # --- Sinks ---------------------------------------------------------------
-
-    def _open_sinks(self):
-        os.makedirs(self.log_dir, exist_ok=True)
-        # The writer syncs its file every `max_queue` events (default 10):
-        # with a record's ~20 scalars that was two fsyncs per window. Sync
-        # every 10 s and at every epoch end (see `_write`) instead.
-        self._writer = tf.summary.create_file_writer(
-            os.path.join(self.log_dir, "train"),
-            max_queue=10_000, flush_millis=10_000,
-        )
-        self._jsonl = open(os.path.join(self.log_dir, "metrics.jsonl"), "a")
-        if self.wandb_config is not None and self._wandb_run is None:
-            import wandb
-
-            config = dict(self.wandb_config)
-            config.setdefault("dir", self.log_dir)
-            os.makedirs(config["dir"], exist_ok=True)
-            self._wandb_run = wandb.init(**config)
-
-    def _close_sinks(self):
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
-            self._summary_fns = {}
-        if self._jsonl is not None:
-            self._jsonl.close()
-            self._jsonl = None
-        if self._wandb_run is not None:
-            self._wandb_run.finish()
-            self._wandb_run = None
-
-    def _write(self, record: dict) -> None:
-        self._jsonl.write(json.dumps(record) + "\n")
-        kind = record["kind"]
-        # Epoch scalars are stepped by epoch, as Keras's TensorBoard does.
-        step = record["epoch"] if kind == "epoch" else record["step"]
-        scalars = _scalars(record)
-        # All of a record's scalars go out as one event, in one op.
-        self._summary_fn()(
-            _summary_proto(kind, scalars), np.int64(step)
-        )
-        if kind == "epoch":
-            self._jsonl.flush()
-            self._writer.flush()
-        if self._wandb_run is not None:
-            self._wandb_run.log(
-                {f"{kind}/{tag}": v for tag, v in scalars.items()},
-                step=self.global_step,
-            )
-
-    def _summary_fn(self):
-        """One compiled call writes a serialized `Summary` of scalars.
-
-        Traced once for the writer's lifetime: one dispatch and one op per
-        record, whatever its tags, values and step.
-        """
-        if "raw" not in self._summary_fns:
-            writer = self._writer
-
-            @tf.function(autograph=False, input_signature=(
-                tf.TensorSpec([], tf.string),
-                tf.TensorSpec([], tf.int64),
-            ))
-            def write(serialized, step):
-                with writer.as_default(step=step):
-                    tf.summary.experimental.write_raw_pb(serialized)
-
-            self._summary_fns["raw"] = write
-        return self._summary_fns["raw"]
-
     def _flush_console(self):
         if self._pending_console is not None:
             print(self._pending_console, flush=True)
@@ -513,6 +498,124 @@ class DistributedLogger(keras.callbacks.Callback):
 
 
 # --- Helpers -----------------------------------------------------------------
+
+
+class _Sinks:
+    """The chief's outputs, written in order by one background thread.
+
+    Training only queues records. The thread takes every record waiting
+    and writes them together: JSONL lines in one write, TensorBoard events
+    in one compiled call, then wandb. A failed write is raised on the
+    training thread at the next `submit` or at `close`.
+    """
+
+    def __init__(self, log_dir: str, wandb_config: Optional[dict]):
+        os.makedirs(log_dir, exist_ok=True)
+        # The writer syncs its file every `max_queue` events (default 10):
+        # with a record's ~20 scalars that was two fsyncs per window. Sync
+        # every 10 s and after every epoch record instead.
+        self._writer = tf.summary.create_file_writer(
+            os.path.join(log_dir, "train"),
+            max_queue=10_000, flush_millis=10_000,
+        )
+        self._write_events = _event_writer(self._writer)
+        self._jsonl = open(os.path.join(log_dir, "metrics.jsonl"), "a")
+        self._wandb_run = None
+        if wandb_config is not None:
+            import wandb
+
+            config = dict(wandb_config)
+            config.setdefault("dir", log_dir)
+            os.makedirs(config["dir"], exist_ok=True)
+            self._wandb_run = wandb.init(**config)
+        self._queue = queue.Queue()
+        self._error = None
+        # Not a daemon: records queued when the program ends still land.
+        self._thread = threading.Thread(
+            target=self._run, name="DistributedLogger")
+        self._thread.start()
+
+    def submit(self, record: dict) -> None:
+        self._raise_error()
+        self._queue.put(record)
+
+    def close(self) -> None:
+        """Writes every queued record, then closes the outputs."""
+        self._queue.put(None)
+        self._thread.join()
+        self._writer.close()
+        self._jsonl.close()
+        if self._wandb_run is not None:
+            self._wandb_run.finish()
+        self._raise_error()
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(
+                "DistributedLogger could not write its records"
+            ) from error
+
+    def _run(self) -> None:
+        done = False
+        while not done:
+            try:
+                records = [self._queue.get(timeout=0.5)]
+            except queue.Empty:
+                if threading.main_thread().is_alive():
+                    continue
+                # `fit` died without `on_train_end` and the program is
+                # exiting: write what is queued, then let it exit.
+                records = [None]
+            while not self._queue.empty():
+                records.append(self._queue.get())
+            done = None in records
+            records = [r for r in records if r is not None]
+            if records and self._error is None:
+                try:
+                    self._write(records)
+                except Exception as error:  # raised on the training thread
+                    self._error = error
+        self._jsonl.flush()
+        self._writer.flush()
+
+    def _write(self, records: list) -> None:
+        self._jsonl.write("".join(json.dumps(r) + "\n" for r in records))
+        scalars = [_scalars(r) for r in records]
+        # Epoch scalars are stepped by epoch, as Keras's TensorBoard does.
+        self._write_events(
+            tf.constant([_summary_proto(r["kind"], s)
+                         for r, s in zip(records, scalars)]),
+            tf.constant([r["epoch"] if r["kind"] == "epoch" else r["step"]
+                         for r in records], tf.int64),
+        )
+        if any(r["kind"] == "epoch" for r in records):
+            self._jsonl.flush()
+            self._writer.flush()
+        if self._wandb_run is not None:
+            for record, values in zip(records, scalars):
+                self._wandb_run.log(
+                    {f"{record['kind']}/{tag}": v
+                     for tag, v in values.items()},
+                    step=record["step"],
+                )
+
+
+def _event_writer(writer):
+    """One compiled call writes a batch of serialized `Summary` protos, each
+    at its own step: one dispatch for any number of records."""
+
+    @tf.function(input_signature=(
+        tf.TensorSpec([None], tf.string),
+        tf.TensorSpec([None], tf.int64),
+    ))
+    def write(serialized, steps):
+        with writer.as_default():
+            for i in tf.range(tf.size(steps)):
+                tf.summary.experimental.write_raw_pb(
+                    serialized[i], step=steps[i])
+
+    return write
 
 
 def _validate(log_dir, update_freq, batch_size, wandb, profile_steps) -> None:
@@ -567,7 +670,18 @@ def _floats(values) -> dict:
     return out
 
 
-def _make_reader(model):
+def _local_variable() -> tf.Variable:
+    """A float64 zero that is this process's own, even inside a strategy
+    scope: scopes are per thread, so it is created on a fresh one. (A
+    mirrored copy would need a collective to create under
+    MultiWorkerMirroredStrategy, and each worker times its own input.)"""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(
+            tf.Variable, 0.0, dtype=tf.float64, trainable=False
+        ).result()
+
+
+def _make_reader(model, seconds_waited):
     """A `tf.function` returning every value a window record reads."""
     optimizer = model.optimizer
     loss_scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
@@ -605,9 +719,11 @@ def _make_reader(model):
             "loss_scale": (
                 tensor(optimizer.dynamic_scale) if loss_scaled else None
             ),
+            "input_wait": tf.identity(seconds_waited),
         }
 
-    return read
+    # The concrete function skips tf.function's per-call signature matching.
+    return read.get_concrete_function()
 
 
 def _summary_proto(kind: str, scalars: dict) -> bytes:
@@ -679,15 +795,25 @@ def _memory(num_gpus: int, reset: bool) -> dict:
 
 
 def _worker_row(measured: dict) -> np.ndarray:
-    per_sec = measured["examples_per_sec"]
     return np.array(
-        [measured["step_time_mean"], np.nan if per_sec is None else per_sec],
+        [np.nan if measured[key] is None else measured[key]
+         for key in ("step_time_mean", "examples_per_sec", "input_wait")],
         dtype=np.float64,
     )
 
 
+def _input_bound(fraction: Optional[float]) -> Optional[str]:
+    # xprof's input-pipeline analysis: "moderately" input-bound above 5% of
+    # the step time waiting for input, "highly" above 20%.
+    if fraction is None:
+        return None
+    if fraction > 0.20:
+        return "highly"
+    return "moderately" if fraction > 0.05 else "no"
+
+
 def _across_workers(rows: np.ndarray) -> dict:
-    step_time, per_sec = rows[:, 0], rows[:, 1]
+    step_time, per_sec, waited = rows[:, 0], rows[:, 1], rows[:, 2]
 
     def spread(values):
         if np.isnan(values).any():
@@ -700,6 +826,14 @@ def _across_workers(rows: np.ndarray) -> dict:
         # Every worker's examples/s is the global figure measured over its
         # own clock, divided by the number of workers.
         "worker_examples_per_sec": spread(per_sec / len(rows)),
+        "worker_input_wait": spread(waited),
+        "input_wait": (
+            None if np.isnan(waited).any() else float(waited.mean())
+        ),
+        "input_bound": (
+            None if np.isnan(waited).any() else _input_bound(
+                float(waited.max()))
+        ),
         "slowest_worker": int(np.argmax(step_time)),
     }
 
@@ -736,8 +870,14 @@ def _console_line(record: dict) -> str:
         )
     parts.append(
         f"step {1000 * record['step_time_mean']:.1f} ms mean, "
-        f"{1000 * record['step_time_max']:.1f} ms max"
+        f"{1000 * record['step_time_max']:.1f} ms max,"
     )
+    if record["input_wait"] is None:
+        parts.append("input wait n/a")
+    else:
+        parts.append(f"input wait {100 * record['input_wait']:.0f}%")
+        if record["input_bound"] != "no":
+            parts.append(f"({record['input_bound']} input-bound)")
     if record["workers"] > 1:
         parts.append(f"(slowest worker {record['slowest_worker']})")
     return " ".join(parts)
