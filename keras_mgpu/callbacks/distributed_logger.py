@@ -268,6 +268,13 @@ class DistributedLogger(keras.callbacks.Callback):
         if self._fit_model.train_function is self._timed_function:
             self._fit_model.train_function = self._timed_function.keras_train_function
         self._timed_function = None
+        # Keep the twin of the function a next `fit` will call, not those of
+        # functions Keras has dropped (a recompile makes a new one).
+        current = self._fit_model.train_function
+        self._timed_functions = {
+            key: entry for key, entry in self._timed_functions.items()
+            if entry[0] is current
+        }
         self._stop_profiler()
         self._flush_console()
         if self._sinks is not None:
