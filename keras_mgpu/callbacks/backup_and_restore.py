@@ -19,7 +19,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_mgpu._checks import is_positive_int
+from keras_mgpu._checks import is_nonempty_path, is_positive_int
 from keras_mgpu import compat
 from keras_mgpu import strategy as strategy_lib
 
@@ -141,9 +141,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         delete_on_success: bool = True,
     ):
         super().__init__()
-        if not isinstance(backup_dir, (str, os.PathLike)) or not str(
-            backup_dir
-        ):
+        if not is_nonempty_path(backup_dir):
             raise ValueError(
                 f"backup_dir must be a non-empty path, got {backup_dir!r}."
             )

@@ -16,7 +16,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_mgpu._checks import is_positive_int
+from keras_mgpu._checks import is_nonempty_path, is_positive_int
 from keras_mgpu import compat
 from keras_mgpu import strategy as strategy_lib
 from keras_mgpu import mixed_precision
@@ -626,7 +626,7 @@ def _event_writer(writer):
 
 
 def _validate(log_dir, update_freq, batch_size, wandb, profile_steps) -> None:
-    if not isinstance(log_dir, (str, os.PathLike)) or not os.fspath(log_dir):
+    if not is_nonempty_path(log_dir):
         raise TypeError(
             f"log_dir must be a non-empty path, got {log_dir!r}."
         )
