@@ -45,6 +45,7 @@ from keras_mgpu import strategy as strategy_lib  # noqa: E402
 
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from _timing import EpochTimer  # noqa: E402
 
 MODELS = ("mlp", "convnet")
 PLAIN = "plain fit"
@@ -189,25 +190,6 @@ def make_dataset(name: str, global_batch: int, steps: int) -> tf.data.Dataset:
     )
 
 
-class EpochTimer(keras.callbacks.Callback):
-    """Wall time of each epoch.
-
-    Keras fetches the logs before `on_epoch_end`, which waits for the last
-    step to finish, so the time covers all the work of the epoch.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seconds: list[float] = []
-        self._start = 0.0
-
-    def on_epoch_begin(self, epoch: int, logs: Optional[dict] = None) -> None:
-        self._start = time.perf_counter()
-
-    def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
-        self.seconds.append(time.perf_counter() - self._start)
-
-
 def compile_config(
     model_name: str,
     strategy: tf.distribute.Strategy,
@@ -241,9 +223,12 @@ def compile_config(
 
 def train_epoch(model: keras.Model, dataset: tf.data.Dataset) -> float:
     """Seconds of one epoch, without `fit`'s per-call setup."""
+    # Keras fetches the logs before `on_epoch_end`, which waits for the last
+    # step to finish, so the time covers all the work of the epoch.
     timer = EpochTimer()
-    model.fit(dataset, epochs=1, callbacks=[timer], verbose=0, shuffle=False)
-    return timer.seconds[0]
+    model.fit(dataset, epochs=1, callbacks=[timer.start, timer.stop],
+              verbose=0, shuffle=False)
+    return timer.times[0]
 
 
 def run_group(
