@@ -1,33 +1,162 @@
 """Every use of Keras and TensorFlow private internals, in one place.
 
-Each workaround is named for the bug it fixes, is gated on the Keras versions
-it was written for, and is covered by tests that also show when a Keras
-release no longer needs it.
+Each workaround is decided by what the installed Keras does, not by a
+version range that could switch it off while the bug is still there: a
+private name is looked up where it is first used (`KerasInternalsError`,
+naming the Keras version, when it is missing or has another shape), and a
+Keras outside the tested range (`TESTED_KERAS`) gets one warning
+(`UntestedKerasWarning`) that says what is unverified on it. The version is
+read when it is needed, so tests can simulate another Keras.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
+import inspect
+import sys
 import threading
+import warnings
 
 import keras
 import numpy as np
 from packaging.version import Version
 
-KERAS_VERSION = Version(keras.__version__)
 
-# keras-team/keras#20585: `fit`/`evaluate` fail under
-# MultiWorkerMirroredStrategy. Measured broken on 3.15.1; still open.
-MULTI_WORKER_FIT_BROKEN = (Version("3.0.0"), Version("3.16.0.dev0"))
+@dataclasses.dataclass(frozen=True)
+class VersionRange:
+    """Keras versions from `low` to `high`, both included.
+
+    Args:
+        low: The oldest version, e.g. `"3.10.0"`.
+        high: The newest version, e.g. `"3.15.1"`.
+
+    Example:
+
+    >>> VersionRange("3.10.0", "3.15.1").contains("3.12.0")
+    True
+    """
+
+    low: str
+    high: str
+
+    def contains(self, version) -> bool:
+        """Whether `version` (a string or `Version`) lies in the range."""
+        return Version(self.low) <= Version(str(version)) <= Version(self.high)
+
+    def __str__(self) -> str:
+        return f"{self.low} to {self.high}"
+
+
+# The Keras releases the suite has been run on (README, "Compatibility").
+TESTED_KERAS = VersionRange("3.10.0", "3.15.1")
+
+# What rests on Keras internals, for the warning on an untested Keras.
+_WORKAROUNDS = (
+    "the multi-worker fit fix (keras-team/keras#20585)",
+    "GradientAccumulationModel's train step and optimizer hooks",
+    "BackupAndRestore's resume hooks",
+    "DistributedLogger's sample count and input-wait timing",
+    "the tuner's learning-rate schedule lookup",
+)
+
+
+class KerasInternalsError(RuntimeError):
+    """A Keras internal that keras-mgpu relies on is missing or has changed."""
+
+
+class UntestedKerasWarning(UserWarning):
+    """The installed Keras is outside the versions keras-mgpu was tested on."""
+
+
+def keras_version() -> Version:
+    """The installed Keras version, read now (not at import).
+
+    Example:
+
+    >>> keras_version() >= Version("3.0")
+    True
+    """
+    return Version(keras.__version__)
+
+
+_warned_versions = set()
+
+
+def warn_if_untested() -> bool:
+    """Warns once per Keras version outside `TESTED_KERAS`; returns whether
+    this Keras is untested.
+
+    Example:
+
+    >>> warn_if_untested() == (not TESTED_KERAS.contains(keras_version()))
+    True
+    """
+    version = keras.__version__
+    if TESTED_KERAS.contains(version):
+        return False
+    if version not in _warned_versions:
+        _warned_versions.add(version)
+        from keras_mgpu import __version__ as ours
+
+        warnings.warn(
+            f"keras-mgpu {ours} was tested with Keras {TESTED_KERAS}, but "
+            f"Keras {version} is installed. The Keras internals these rely "
+            f"on were found in the expected shape, but their results on "
+            f"Keras {version} are unverified: {'; '.join(_WORKAROUNDS)}. "
+            f"Run keras-mgpu's test suite on this Keras, or install "
+            f"keras>={TESTED_KERAS.low},<={TESTED_KERAS.high}.",
+            UntestedKerasWarning,
+            stacklevel=3,
+        )
+    return True
+
+
+def _internals_error(what: str, used_for: str) -> KerasInternalsError:
+    from keras_mgpu import __version__ as ours
+
+    return KerasInternalsError(
+        f"keras-mgpu needs {what} for {used_for}, but Keras "
+        f"{keras.__version__} does not have it. keras-mgpu {ours} was tested "
+        f"with Keras {TESTED_KERAS}: install "
+        f"keras>={TESTED_KERAS.low},<={TESTED_KERAS.high}, or a keras-mgpu "
+        f"release that supports Keras {keras.__version__}."
+    )
+
+
+def _require(owner, name: str, used_for: str, params=None):
+    """`owner.name`, checked: raises `KerasInternalsError` if it is missing,
+    or (with `params`) if its leading parameters are not `params`."""
+    warn_if_untested()
+    qualname = f"`{getattr(owner, '__name__', type(owner).__name__)}.{name}`"
+    value = getattr(owner, name, _MISSING)
+    if value is _MISSING:
+        raise _internals_error(qualname, used_for)
+    if params is not None:
+        try:
+            found = tuple(inspect.signature(value).parameters)[: len(params)]
+        except (TypeError, ValueError):
+            found = None
+        if found != tuple(params):
+            raise _internals_error(
+                f"{qualname} with parameters {tuple(params)} (found {found})",
+                used_for,
+            )
+    return value
+
+
+_MISSING = object()
+
+# --- keras-team/keras#20585: fit under MultiWorkerMirroredStrategy ----------
+# Still open (measured broken on 3.10.0 and 3.15.1). The fix replaces two
+# functions of Keras's TensorFlow trainer with versions that are also right
+# where the bug is gone, so it is applied whenever those functions have the
+# shape it was written for, whatever the version says.
+_MULTI_WORKER_FIX = "the multi-worker fit fix (keras-team/keras#20585)"
 
 _lock = threading.Lock()
 _multi_worker_fit_enabled = False
-
-
-def multi_worker_fit_needs_fix(version: Version = KERAS_VERSION) -> bool:
-    """Whether `version` of Keras has keras-team/keras#20585."""
-    low, high = MULTI_WORKER_FIT_BROKEN
-    return low <= version < high
 
 
 def multi_worker_fit_enabled() -> bool:
@@ -46,64 +175,73 @@ def enable_multi_worker_fit() -> bool:
     - scalar logs are reduced with `strategy.reduce("MEAN", v, axis=0)`,
       which fails for a 0-d tensor; they are reduced with `axis=None`.
 
-    The patch applies only to the Keras versions that have the bug
-    (`MULTI_WORKER_FIT_BROKEN`); on others it does nothing. It is idempotent
-    and never applied by `import keras_mgpu`.
+    Both replacements act only under a multi-worker strategy and are correct
+    with or without the bug, so the patch is applied on every Keras whose
+    trainer has the two functions in the expected shape; otherwise it raises
+    `KerasInternalsError` naming the Keras version, before any training. It
+    is idempotent and never applied by `import keras_mgpu`.
 
     Returns:
-        Whether the patch is active after the call.
+        `True`: the patch is active after the call.
 
     Example:
 
     >>> from keras_mgpu import compat
-    >>> compat.enable_multi_worker_fit() == compat.multi_worker_fit_needs_fix()
+    >>> compat.enable_multi_worker_fit()
+    True
+    >>> compat.multi_worker_fit_enabled()
     True
     """
     global _multi_worker_fit_enabled
-    if not multi_worker_fit_needs_fix():
-        return False
     with _lock:
         if _multi_worker_fit_enabled:
             return True
         from keras.src.backend.tensorflow import trainer as tf_trainer
 
-        original_reduce = tf_trainer.reduce_per_replica
-        original_build = tf_trainer.TensorFlowTrainer._maybe_symbolic_build
+        original_reduce = _require(
+            tf_trainer, "reduce_per_replica", _MULTI_WORKER_FIX,
+            params=("values", "strategy", "reduction"))
+        original_build = _require(
+            tf_trainer.TensorFlowTrainer, "_maybe_symbolic_build",
+            _MULTI_WORKER_FIX, params=("self", "iterator", "data_batch"))
+        is_multi_worker = _require(
+            tf_trainer, "_collective_all_reduce_multi_worker",
+            _MULTI_WORKER_FIX)
+        is_per_replica = _require(
+            tf_trainer, "_is_per_replica_instance", _MULTI_WORKER_FIX)
+        tree = keras.tree
+
+        def first_local(v, strategy):
+            return (strategy.experimental_local_results(v)[0]
+                    if is_per_replica(v) else v)
 
         def reduce_per_replica(values, strategy, reduction):
             if reduction not in ("auto", "mean", "sum") or not (
-                tf_trainer._collective_all_reduce_multi_worker(strategy)
+                is_multi_worker(strategy)
             ):
                 return original_reduce(values, strategy, reduction)
             op = "SUM" if reduction == "sum" else "MEAN"
 
             def reduce(v):
-                local = (
-                    strategy.experimental_local_results(v)[0]
-                    if tf_trainer._is_per_replica_instance(v)
-                    else v
-                )
-                axis = None if local.shape.rank == 0 else 0
+                axis = None if first_local(v, strategy).shape.rank == 0 else 0
                 return strategy.reduce(op, v, axis=axis)
 
-            return tf_trainer.tree.map_structure(reduce, values)
+            return tree.map_structure(reduce, values)
 
         def _maybe_symbolic_build(self, iterator=None, data_batch=None):
             strategy = self._distribute_strategy
             if (
                 strategy is None
                 or iterator is None
-                or not tf_trainer._collective_all_reduce_multi_worker(strategy)
+                or not is_multi_worker(strategy)
             ):
                 return original_build(self, iterator, data_batch)
-            for _, _, it in iterator:
+            # The epoch iterator yields (step, iterator) in Keras 3.10 and
+            # (begin, end, iterator) in 3.15: the iterator comes last.
+            for *_, it in iterator:
                 batch = next(it)
-                data_batch = tf_trainer.tree.map_structure(
-                    lambda v: strategy.experimental_local_results(v)[0]
-                    if tf_trainer._is_per_replica_instance(v)
-                    else v,
-                    batch,
-                )
+                data_batch = tree.map_structure(
+                    lambda v: first_local(v, strategy), batch)
                 break
             with strategy.scope():
                 self._symbolic_build(data_batch=data_batch)
@@ -117,27 +255,37 @@ def enable_multi_worker_fit() -> bool:
 
 
 # --- Gradient accumulation (keras_mgpu.accumulation) -------------------------
-# Written for Keras 3.x's TensorFlow trainer and optimizers (checked on 3.15):
-# the train-step building blocks below are the ones Keras's own
-# `TensorFlowTrainer.train_step` uses, and the optimizer hooks are the
+# The train-step building blocks below are the ones Keras's own
+# `TensorFlowTrainer.train_step` uses; the optimizer hooks are the
 # replica-context all-reduce and the LossScaleOptimizer's two outcomes.
-ACCUMULATION_WRITTEN_FOR = (Version("3.0.0"), Version("4.0.0.dev0"))
+_ACCUMULATION = "GradientAccumulationModel"
 
 
-def check_accumulation_support(version: Version = KERAS_VERSION) -> None:
-    """Raises if this Keras is outside the versions accumulation was written for."""
-    low, high = ACCUMULATION_WRITTEN_FOR
-    if not low <= version < high:
-        raise RuntimeError(
-            f"keras_mgpu.GradientAccumulationModel was written for Keras "
-            f">={low},<{high}, but Keras {version} is installed. Install a "
-            "supported Keras or a newer keras-mgpu."
-        )
+def check_accumulation_support() -> None:
+    """Raises `KerasInternalsError` unless this Keras has everything the
+    accumulation wrapper uses (checked before any model is wrapped)."""
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+    from keras.src.losses import loss as loss_module
+
+    # Replica-local accumulators need `keras.Variable(synchronization=...)`,
+    # which Keras 3.8 does not take (3.10 does).
+    _require(keras.Variable, "__init__", _ACCUMULATION)
+    if "synchronization" not in inspect.signature(
+            keras.Variable.__init__).parameters:
+        raise _internals_error(
+            "`keras.Variable(synchronization=...)`", _ACCUMULATION)
+    _require(keras.Model, "_compute_loss", _ACCUMULATION)
+    _require(loss_module, "unscale_loss_for_distribution", _ACCUMULATION)
+    _require(TFOptimizer, "_all_reduce_sum_gradients", _ACCUMULATION,
+             params=("self", "grads_and_vars"))
+    for name in ("_stateful_handle_finite_grads",
+                 "_stateful_handle_non_finite_grads"):
+        _require(keras.optimizers.LossScaleOptimizer, name, _ACCUMULATION)
 
 
 def compute_loss(model, x, y, y_pred, sample_weight):
     """The training loss as Keras computes it, scaled for distribution."""
-    return model._compute_loss(
+    return _require(model, "_compute_loss", _ACCUMULATION)(
         x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
     )
 
@@ -146,9 +294,10 @@ def track_loss(model, loss, batch_size) -> None:
     """Feeds `loss` to the model's `loss` metric, as Keras's train_step does."""
     from keras.src.losses import loss as loss_module
 
-    model._loss_tracker.update_state(
-        loss_module.unscale_loss_for_distribution(loss),
-        sample_weight=batch_size,
+    unscale = _require(loss_module, "unscale_loss_for_distribution",
+                       _ACCUMULATION)
+    loss_tracker(model, _ACCUMULATION).update_state(
+        unscale(loss), sample_weight=batch_size
     )
 
 
@@ -160,8 +309,11 @@ def gradients_already_reduced(optimizer):
     accumulation wrapper has already reduced them (once, for the whole
     window), so inside this block `apply` clips, decays and updates only.
     Takes effect while tracing, which is when the all-reduce would be built.
+    A Keras without the method raises rather than reducing twice.
     """
     inner = getattr(optimizer, "inner_optimizer", optimizer)
+    _require(type(inner), "_all_reduce_sum_gradients", _ACCUMULATION,
+             params=("self", "grads_and_vars"))
     inner._all_reduce_sum_gradients = list
     try:
         yield
@@ -171,26 +323,21 @@ def gradients_already_reduced(optimizer):
 
 def loss_scale_apply(optimizer, grads, trainable_variables) -> None:
     """LossScaleOptimizer's finite-gradient branch: unscale, apply, grow scale."""
-    optimizer._stateful_handle_finite_grads(grads, trainable_variables)
+    _require(optimizer, "_stateful_handle_finite_grads", _ACCUMULATION)(
+        grads, trainable_variables)
 
 
 def loss_scale_skip(optimizer) -> None:
     """LossScaleOptimizer's non-finite branch: halve the scale, skip the step."""
-    optimizer._stateful_handle_non_finite_grads()
+    _require(optimizer, "_stateful_handle_non_finite_grads", _ACCUMULATION)()
 
 
 # --- Mixed precision (keras_mgpu.mixed_precision, keras_mgpu.layers) ---------
 # `keras.src.backend.tensorflow.nn._get_logits` reads this attribute on a
 # softmax/sigmoid output to recover its logits for the cross-entropy losses;
-# `keras.activations.softmax`/`sigmoid` set it. Checked on 3.0 to 3.15.
+# `keras.activations.softmax`/`sigmoid` set it.
 KERAS_LOGITS_ATTR = "_keras_logits"
-LOGITS_RECOVERY_WRITTEN_FOR = (Version("3.0.0"), Version("4.0.0.dev0"))
-
-
-def logits_recovery_supported(version: Version = KERAS_VERSION) -> bool:
-    """Whether Keras `version` recovers logits from `_keras_logits`."""
-    low, high = LOGITS_RECOVERY_WRITTEN_FOR
-    return low <= version < high
+_MIXED = "the mixed-precision audit"
 
 
 def attach_logits(output, logits) -> bool:
@@ -206,6 +353,26 @@ def attach_logits(output, logits) -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=None)
+def logits_recovered() -> bool:
+    """Whether Keras's cross-entropy reads logits attached to probabilities.
+
+    Measured, not assumed, once per process: a categorical cross-entropy of
+    deliberately wrong probabilities carrying the right logits.
+    """
+    import tensorflow as tf
+
+    @tf.function(autograph=False)
+    def probe():
+        logits = tf.constant([[20.0, -20.0]])
+        wrong = tf.constant([[0.5, 0.5]])
+        attach_logits(wrong, logits)
+        return keras.losses.categorical_crossentropy([[1.0, 0.0]], wrong)
+
+    with tf.init_scope():  # also when first asked while tracing
+        return float(probe()[0]) < 1e-3  # ln(2) if the logits were ignored
+
+
 def attached_logits(output):
     """The logits attached to `output` by a softmax/sigmoid, or None."""
     return getattr(output, KERAS_LOGITS_ATTR, None)
@@ -213,53 +380,60 @@ def attached_logits(output):
 
 def sublayers(layer) -> list:
     """Every layer nested in `layer` (itself excluded), depth first."""
-    return list(layer._flatten_layers(include_self=False, recursive=True))
+    flatten = _require(layer, "_flatten_layers", _MIXED)
+    return list(flatten(include_self=False, recursive=True))
 
 
 def own_variables(layer) -> list:
     """The variables created by `layer` itself, not by its sublayers."""
-    return list(layer._trainable_variables) + list(
-        layer._non_trainable_variables
+    return list(_require(layer, "_trainable_variables", _MIXED)) + list(
+        _require(layer, "_non_trainable_variables", _MIXED)
     )
 
 
 def variable_autocasts(variable) -> bool:
     """Whether `variable` is cast to the compute dtype when read in `call`."""
-    return bool(getattr(variable, "_autocast", True))
+    return bool(_require(variable, "_autocast", _MIXED))
 
 
 def producing_layer(keras_tensor):
     """The layer whose call produced a symbolic `keras_tensor`, or None."""
-    history = getattr(keras_tensor, "_keras_history", None)
+    if not isinstance(keras_tensor, keras.KerasTensor):
+        return None
+    history = _require(keras_tensor, "_keras_history", _MIXED)
     return history[0] if history else None
 
 
 # --- Backup and restore (keras_mgpu.callbacks.BackupAndRestore) --------------
-# Keras 3.x's `fit` starts at `model._initial_epoch` when set (its own
+# Keras's `fit` starts at `model._initial_epoch` when set (its own
 # BackupAndRestore uses this), calls `model.train_function(iterator)` once per
 # batch (or `steps_per_execution` batches), and calls each callback's
 # `on_train_begin` from `CallbackList.on_train_begin`.
+_BACKUP = "BackupAndRestore's resume"
 
 
 def set_initial_epoch(model, epoch) -> None:
     """Makes the running `fit` start at `epoch` (None: as the caller asked)."""
+    _require(model, "_initial_epoch", _BACKUP)
     model._initial_epoch = epoch
 
 
-def calling_callback_list(frame_depth: int = 2):
+def calling_callback_list(max_depth: int = 8):
     """The callbacks of the `CallbackList` that is calling a callback hook.
 
     Callbacks have no reference to their siblings; the `CallbackList` that
-    invokes `on_train_begin` is the caller's `self` two frames up.
+    invokes the hook is the `self` of a caller a few frames up (two in Keras
+    3.15). None when no `CallbackList` is calling (a hand-driven callback).
     """
-    import sys
-
-    from keras.src.callbacks.callback_list import CallbackList
-
-    frame = sys._getframe(frame_depth)
-    owner = frame.f_locals.get("self")
-    if isinstance(owner, CallbackList):
-        return list(owner.callbacks)
+    callback_list = _require(keras.callbacks, "CallbackList", _BACKUP)
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        frame = frame.f_back
+        if frame is None:
+            break
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, callback_list):
+            return list(owner.callbacks)
     return None
 
 
@@ -267,14 +441,26 @@ def calling_callback_list(frame_depth: int = 2):
 # Keras's `train_step` (and `compat.track_loss`) feeds the loss tracker with
 # `sample_weight=batch_size`, so the tracker's `count` is the number of
 # samples trained on since the metrics were last reset (each epoch).
-# Checked on 3.15.
-EXAMPLES_COUNT_WRITTEN_FOR = (Version("3.0.0"), Version("4.0.0.dev0"))
+_TELEMETRY = "DistributedLogger's sample count"
 
 
-def examples_count_supported(version: Version = KERAS_VERSION) -> bool:
-    """Whether Keras `version` counts samples in the loss tracker."""
-    low, high = EXAMPLES_COUNT_WRITTEN_FOR
-    return low <= version < high
+def loss_tracker(model, used_for: str = _TELEMETRY):
+    """The compiled model's `loss` metric (a `Mean`), or None if uncompiled."""
+    if not getattr(model, "compiled", False):
+        return None
+    return _require(model, "_loss_tracker", used_for)
+
+
+def examples_count(model):
+    """The variable counting samples trained on this epoch, or None.
+
+    Summed over replicas when read in cross-replica context. None when the
+    model is not compiled (Keras creates the loss tracker in `compile`).
+    """
+    tracker = loss_tracker(model)
+    if tracker is None:
+        return None
+    return _require(tracker, "count", _TELEMETRY)
 
 
 def examples_seen(model) -> float | None:
@@ -283,27 +469,24 @@ def examples_seen(model) -> float | None:
     Read in cross-replica context, the tracker's on-read variable is summed
     over every replica; under MultiWorkerMirroredStrategy that is a
     collective, so every worker must call this at the same point. `None`
-    when the model has no Keras loss tracker (e.g. a custom `train_step`
-    that does not feed it) or Keras is outside the checked versions.
+    when the model is not compiled.
     """
-    if not examples_count_supported():
-        return None
-    tracker = getattr(model, "_loss_tracker", None)
-    count = getattr(tracker, "count", None)
+    count = examples_count(model)
     if count is None:
         return None
     return float(np.asarray(keras.ops.convert_to_numpy(count)))
 
 
 # --- Tuning (keras_mgpu.tuner) -----------------------------------------------
-# Keras 3.x optimizers keep a schedule, if any, in `_learning_rate` (the
+# Keras 3 optimizers keep a schedule, if any, in `_learning_rate` (the
 # public `learning_rate` evaluates it). keras-tuner 1.4 appends its private
 # `tuner_utils.TunerCallback(tuner, trial)` to every trial's callbacks.
 
 
 def learning_rate_schedule(optimizer):
     """The optimizer's `LearningRateSchedule`, or None for a fixed rate."""
-    schedule = getattr(optimizer, "_learning_rate", None)
+    schedule = _require(optimizer, "_learning_rate",
+                        "the tuner's learning-rate scaling")
     if isinstance(schedule, keras.optimizers.schedules.LearningRateSchedule):
         return schedule
     return None
@@ -328,21 +511,16 @@ def tuner_and_trial(callbacks):
 
 
 # --- Input wait (keras_mgpu.callbacks.DistributedLogger) ---------------------
-# Keras 3.15's TensorFlow trainer makes `model.train_function` a plain closure
-# `function(iterator)` over `multi_step_on_iterator`, a `tf.function` that
-# fetches each batch inside the graph, with `iterator.get_next()` (or
-# `get_next_as_optional()` when `steps_per_execution > 1`), and returns an
-# `Optional` that `function` unwraps (raising StopIteration when empty).
-# A callback cannot time that fetch from the host, so the same Python step
-# is retraced with an iterator whose fetches are timed in the graph.
-INPUT_WAIT_WRITTEN_FOR = (Version("3.15.0"), Version("3.16.0.dev0"))
-
-
-def input_wait_supported(version: Version = KERAS_VERSION) -> bool:
-    """Whether Keras `version` has the train function `timed_train_function`
-    was written for."""
-    low, high = INPUT_WAIT_WRITTEN_FOR
-    return low <= version < high
+# Keras's TensorFlow trainer (3.10 to 3.15 at least) makes
+# `model.train_function` a plain closure `function(iterator)` over
+# `multi_step_on_iterator`, a `tf.function` that fetches each batch inside
+# the graph, with `iterator.get_next()` (or `get_next_as_optional()` when
+# `steps_per_execution > 1`), and returns an `Optional` that `function`
+# unwraps (raising StopIteration when empty). A callback cannot time that
+# fetch from the host, so the same Python step is retraced with an iterator
+# whose fetches are timed in the graph.
+_KERAS_TRAIN_FUNCTION = "TensorFlowTrainer.make_train_function.<locals>.function"
+_warned_train_function = set()
 
 
 def timed_train_function(train_function, seconds_waited):
@@ -356,17 +534,31 @@ def timed_train_function(train_function, seconds_waited):
     device per step.
 
     Returns None when `train_function` is not Keras's compiled train function
-    (e.g. `run_eagerly=True`, another callback's stand-in, an unchecked Keras
-    version): then nothing can be timed.
+    (e.g. `run_eagerly=True`, another callback's stand-in): then nothing can
+    be timed. When it is Keras's but not in the shape this was written for,
+    also None, with one `UntestedKerasWarning` per Keras version.
     """
     import tensorflow as tf
 
-    if not input_wait_supported() or train_function is None:
+    if train_function is None:
         return None
     multi_step = _closure_value(train_function, "multi_step_on_iterator")
     python_function = getattr(multi_step, "python_function", None)
     if python_function is None:
+        # With run_eagerly=True the step is a plain Python function: n/a.
+        if (multi_step is None
+                and getattr(train_function, "__qualname__", None)
+                == _KERAS_TRAIN_FUNCTION
+                and keras.__version__ not in _warned_train_function):
+            _warned_train_function.add(keras.__version__)
+            warnings.warn(
+                f"DistributedLogger cannot time input on Keras "
+                f"{keras.__version__}: its train function no longer has "
+                "the structure keras-mgpu knows (a closure over "
+                "multi_step_on_iterator). input_wait is logged as null.",
+                UntestedKerasWarning, stacklevel=2)
         return None
+    warn_if_untested()
 
     @tf.function(reduce_retracing=True)
     def timed_multi_step(iterator):

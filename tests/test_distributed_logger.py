@@ -95,10 +95,9 @@ def test_records_events_and_history_agree(tmp_path, capsys):
         assert r["learning_rate"] == pytest.approx(0.01)
         assert r["memory"] == {}  # CPU only: no GPU figures, no error
         assert r["loss_scale"] is None and r["skipped_steps"] is None
-    # The windows cover the epoch's training; the epoch's wall time also
-    # holds the logger's own writes between windows.
-    assert 0.5 * epochs[0]["seconds"] < sum(
-        r["seconds"] for r in windows[:3]) <= epochs[0]["seconds"]
+    # The windows lie inside the epoch, whose wall time also holds the
+    # logger's own writes between windows (how much is load, not a test).
+    assert 0 < sum(r["seconds"] for r in windows[:3]) <= epochs[0]["seconds"]
 
     # Window metrics are the values Keras logs at that batch; epoch metrics
     # are History's (validation included).
@@ -276,7 +275,11 @@ def test_import_does_not_load_wandb():
 
 # --- Input wait ---------------------------------------------------------------
 
-SLEEP_PER_EXAMPLE = 0.002
+# A decode delay that dominates everything else in a step by far: sleeping
+# takes at least this long on any machine, and the fed pipeline's fetch from
+# memory is a small fraction of it even on a loaded one.
+SLEEP_PER_EXAMPLE = 0.01
+EXAMPLES = 128
 
 
 def _sleepy(image, label):
@@ -288,18 +291,17 @@ def _sleepy(image, label):
 
 
 def pipeline_fit(strategy, tmp_path, name, **pipeline):
-    """Two epochs over 256 TFRecord examples; returns the epoch records."""
+    """Two epochs over EXAMPLES TFRecord examples; returns the epoch records."""
     records = tmp_path / "records"
     if not records.exists():
-        x, y = workers.regression_data(256)
+        x, y = workers.regression_data(EXAMPLES)
         data.write_tfrecords((x, y), str(records), num_shards=4)
     dataset = data.tfrecord_dataset(
         str(records / "*.tfrecord"), per_replica_batch_size=16,
         strategy=strategy, map_fn=_sleepy, **pipeline)
     with strategy.scope():
         model = keras.Sequential([keras.Input((8,)),
-                                  keras.layers.Dense(512, activation="relu"),
-                                  keras.layers.Dense(512, activation="relu"),
+                                  keras.layers.Dense(64, activation="relu"),
                                   keras.layers.Dense(1)])
         model.compile("sgd", "mse")
     log_dir = str(tmp_path / name)
@@ -319,14 +321,16 @@ def test_input_wait_tells_a_starved_pipeline_from_a_fed_one(
     fed, _ = pipeline_fit(strategy, tmp_path, "fed", cache=True)
     starved, fed = starved[-1], fed[-1]  # second epoch: the cache is full
 
-    # Decoding one example at a time takes 256 * 2 ms per epoch, and the
-    # steps have little compute to hide it behind: most of it is waited.
-    decode_seconds = 256 * SLEEP_PER_EXAMPLE
-    assert starved["input_wait"] * starved["seconds"] > 0.7 * decode_seconds
-    assert starved["input_wait"] > 0.5
+    # Decoding one example at a time sleeps at least EXAMPLES * 10 ms per
+    # epoch, and a step's compute (a few ms) hides little of it: most of it
+    # is waited, on any machine. Seconds waited, not shares of wall time:
+    # load stretches compute and waits alike.
+    decode_seconds = EXAMPLES * SLEEP_PER_EXAMPLE
+    waited = starved["input_wait"] * starved["seconds"]
+    assert waited > 0.7 * decode_seconds
     assert starved["input_bound"] == "highly"
-    # Cached in memory: the wait is the fetch itself.
-    assert fed["input_wait"] < starved["input_wait"] / 3
+    # Cached in memory: the wait is the fetch itself, no decode.
+    assert fed["input_wait"] * fed["seconds"] < decode_seconds / 4
     assert events["epoch/input_wait"][-1] == (
         1, pytest.approx(starved["input_wait"]))
     assert starved["worker_input_wait"]["max"] == pytest.approx(
@@ -381,20 +385,16 @@ def test_input_wait_is_null_when_run_eagerly(tmp_path, capsys):
 
 
 def test_timed_train_function_recognises_only_keras_train_function():
-    from packaging.version import Version
-
     from keras_mgpu import compat
 
     waited = tf.Variable(0.0, dtype=tf.float64)
     model = workers.build_mlp()
     model.compile("sgd", "mse")
     model.make_train_function()
+    # Recognised by its structure (the closure over Keras's compiled step),
+    # not by a version range.
     timed = compat.timed_train_function(model.train_function, waited)
-    # On a Keras outside the checked versions this fails, telling us to
-    # check the train function's structure and widen the gate.
-    assert compat.input_wait_supported()
     assert timed is not None
     assert timed.keras_train_function is model.train_function
     assert compat.timed_train_function(lambda iterator: None, waited) is None
     assert compat.timed_train_function(timed, waited) is None
-    assert not compat.input_wait_supported(Version("3.16.0"))

@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import pytest
 
-from keras_mgpu import compat, launcher
+from keras_mgpu import launcher
 from tests import workers
 from tests.conftest import mirrored
 
@@ -51,27 +51,35 @@ def test_multi_worker_fit_matches_mirrored_and_single_device(
 
 
 def test_stock_keras_multi_worker_fit_still_needs_the_workaround(run_workers):
-    """Fails on the Keras versions the workaround is gated on, passes after.
+    """keras-team/keras#20585 is still in the installed Keras.
 
-    When a Keras release fixes keras-team/keras#20585, this test fails on
-    it while the gate still covers it: narrow `MULTI_WORKER_FIT_BROKEN`.
+    The workaround is applied whatever the version (it is also right without
+    the bug). When a Keras release fixes the bug, this test fails on it: the
+    workaround can then be retired for that release.
     """
-    if compat.multi_worker_fit_needs_fix():
-        with pytest.raises(launcher.WorkerError) as info:
-            run_workers(workers.stock_multi_worker_fit)
-        assert "PerReplica" in str(info.value)
-    else:
-        results = run_workers(workers.stock_multi_worker_fit)
-        assert all(r.returncode == 0 for r in results)
+    with pytest.raises(launcher.WorkerError) as info:
+        run_workers(workers.stock_multi_worker_fit)
+    assert "PerReplica" in str(info.value)
 
 
-def test_version_gate():
-    from packaging.version import Version
-
-    assert compat.multi_worker_fit_needs_fix(Version("3.15.1"))
-    assert compat.multi_worker_fit_needs_fix(Version("3.0.0"))
-    assert not compat.multi_worker_fit_needs_fix(Version("3.16.0"))
-    assert not compat.multi_worker_fit_needs_fix(Version("2.15.0"))
+def test_multi_worker_fit_on_a_newer_keras_works_and_warns_once(run_workers):
+    """A Keras release past the tested range (simulated: 3.16.0) still gets
+    the fix: the workaround is decided by the trainer's shape, not a version
+    range. One warning per worker names the version; no PerReplica error."""
+    results = run_workers(workers.multi_worker_fit_as_keras,
+                          kwargs={"version": "3.16.0"})
+    single = workers.fit_small_model(mirrored(1))
+    accumulated = workers.accumulation_run(mirrored(2))
+    for r in results:
+        assert r.result["plain"]["iterations"] == 12
+        assert_weights_close(r.result["plain"]["weights"], single["weights"],
+                             1e-5)
+        assert r.result["accumulated"]["iterations"] == 6
+        assert_weights_close(r.result["accumulated"]["weights"],
+                             accumulated["weights"], 1e-5)
+        [warning] = r.result["untested_warnings"]
+        assert "Keras 3.16.0 is installed" in warning
+        assert "keras-team/keras#20585" in warning
 
 
 def test_import_does_not_patch_keras_or_load_optional_packages():
@@ -93,9 +101,7 @@ print("ENABLE", compat.enable_multi_worker_fit(), compat.enable_multi_worker_fit
     assert ("PATCHED_ON_IMPORT False keras.src.backend.tensorflow.trainer"
             in proc.stdout)
     assert "OPTIONAL []" in proc.stdout
-    expected = "True True keras_mgpu.compat" if compat.multi_worker_fit_needs_fix() \
-        else "False False keras.src.backend.tensorflow.trainer"
-    assert f"ENABLE {expected}" in proc.stdout
+    assert "ENABLE True True keras_mgpu.compat" in proc.stdout
 
 
 def test_other_keras_backend_is_refused_with_a_clear_error(monkeypatch):

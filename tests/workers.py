@@ -106,12 +106,22 @@ def fail(message):
     return "ok"
 
 
-def print_then_sleep(marker, seconds):
-    """Worker entry point: prints `marker`, then sleeps `seconds`."""
-    import time
+# Longer than any test's cluster timeout: a held worker is always killed.
+HOLD_SECONDS = 600
 
+
+def hold_until_killed(seconds=HOLD_SECONDS):
+    """Blocks until the test kills this process (after a marker it printed);
+    the launcher's timeout ends it if the test never does."""
+    import threading
+
+    threading.Event().wait(seconds)
+
+
+def print_then_sleep(marker, seconds):
+    """Worker entry point: prints `marker`, then holds for `seconds`."""
     print(marker, flush=True)
-    time.sleep(seconds)
+    hold_until_killed(seconds)
     return "finished"
 
 
@@ -160,3 +170,30 @@ def multi_worker_fp32_head():
         model.compile("adam", "mse")
     history = model.fit(x, y, batch_size=16, epochs=2, verbose=0)
     return {k: [float(v) for v in vals] for k, vals in history.history.items()}
+
+
+def multi_worker_fit_as_keras(version):
+    """Worker entry point: plain and accumulated `fit` under auto_strategy(),
+    with Keras reporting `version` (as a newer release would)."""
+    import warnings
+
+    import keras
+
+    keras.__version__ = version
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        import keras_mgpu
+
+        strategy = keras_mgpu.auto_strategy()
+        plain = fit_small_model(strategy)
+        accumulated = accumulation_run(strategy)
+    from keras_mgpu import compat
+
+    return {
+        "plain": plain,
+        "accumulated": accumulated,
+        "untested_warnings": [
+            str(w.message) for w in caught
+            if issubclass(w.category, compat.UntestedKerasWarning)
+        ],
+    }

@@ -692,11 +692,7 @@ def _make_reader(model, seconds_waited):
     """A `tf.function` returning every value a window record reads."""
     optimizer = model.optimizer
     loss_scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
-    tracker = getattr(model, "_loss_tracker", None)
-    count = (
-        getattr(tracker, "count", None)
-        if compat.examples_count_supported() else None
-    )
+    count = compat.examples_count(model)
     micro = getattr(model, "_micro_step", None)
     norm = getattr(model, "_grad_norm", None)
     if getattr(model, "micro_step", None) is None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import keras
 import tensorflow as tf
 from keras import ops
@@ -124,6 +126,15 @@ class FP32OutputHead(keras.layers.Layer):
         return getattr(self.activation, "__name__", str(self.activation))
 
     def build(self, input_shape):
+        if (self.activation_name in _LOGIT_ACTIVATIONS
+                and not compat.logits_recovered()):
+            warnings.warn(
+                f"Keras {keras.__version__}'s cross-entropy losses no longer "
+                f"read the logits attached to a {self.activation_name} "
+                f"output: the loss of {self.name!r} is computed from "
+                "probabilities, which underflow in float16. Use "
+                "activation=None with a from_logits=True loss.",
+                compat.UntestedKerasWarning, stacklevel=2)
         self.dense.build(input_shape)
         self.built = True
 

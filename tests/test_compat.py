@@ -1,0 +1,192 @@
+"""keras_mgpu.compat: gates decided by what Keras does, checked private names,
+one warning on an untested Keras."""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+from packaging.version import Version
+
+from keras_mgpu import GradientAccumulationModel, compat
+from tests import workers
+from tests.conftest import mirrored
+
+
+@pytest.fixture
+def keras_reports(monkeypatch):
+    """Makes Keras report another version, with the warnings not yet given."""
+    monkeypatch.setattr(compat, "_warned_versions", set())
+
+    def report(version):
+        monkeypatch.setattr(keras, "__version__", version)
+
+    return report
+
+
+def untested_warnings(caught):
+    return [str(w.message) for w in caught
+            if issubclass(w.category, compat.UntestedKerasWarning)]
+
+
+def test_version_range_includes_both_ends():
+    tested = compat.VersionRange("3.10.0", "3.15.1")
+    assert tested.contains("3.10.0") and tested.contains("3.15.1")
+    assert tested.contains(Version("3.12.3"))
+    assert not tested.contains("3.9.2") and not tested.contains("3.16.0")
+    assert str(tested) == "3.10.0 to 3.15.1"
+
+
+def test_installed_keras_is_in_the_tested_range():
+    # The suite runs on the tested pairs only (README, Compatibility); a new
+    # pair is added to TESTED_KERAS once the suite passes on it.
+    assert compat.TESTED_KERAS.contains(keras.__version__)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert compat.warn_if_untested() is False
+
+
+def test_untested_keras_warns_once_naming_the_version(keras_reports):
+    keras_reports("3.16.0")
+    assert compat.keras_version() == Version("3.16.0")  # read at call time
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert compat.warn_if_untested() is True
+        assert compat.warn_if_untested() is True
+    [message] = untested_warnings(caught)
+    assert "Keras 3.16.0 is installed" in message
+    assert f"tested with Keras {compat.TESTED_KERAS}" in message
+    for workaround in compat._WORKAROUNDS:
+        assert workaround in message
+
+
+def accumulate(steps=4):
+    x, y = workers.regression_data(64)
+    with mirrored(2).scope():
+        model = GradientAccumulationModel(workers.build_mlp(), accum_steps=2)
+        model.compile(keras.optimizers.Adam(0.01), "mse")
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+    return model
+
+
+def test_accumulation_on_a_newer_keras_trains_the_same(keras_reports):
+    reference = accumulate()
+    keras_reports("3.16.0")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        newer = accumulate()
+    assert len(untested_warnings(caught)) == 1
+    assert int(newer.optimizer.iterations.numpy()) == 2
+    for a, b in zip(reference.get_weights(), newer.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_keras_variable_without_synchronization_is_refused(
+        keras_reports, monkeypatch):
+    class OldVariable:  # Keras 3.8's signature
+        def __init__(self, initializer, shape=None, dtype=None,
+                     trainable=True, autocast=True, aggregation="mean",
+                     name=None):
+            pass
+
+    keras_reports("3.8.0")
+    monkeypatch.setattr(keras, "Variable", OldVariable)
+    with pytest.warns(compat.UntestedKerasWarning):
+        with pytest.raises(compat.KerasInternalsError) as info:
+            GradientAccumulationModel(workers.build_mlp(), accum_steps=2)
+    message = str(info.value)
+    assert "`keras.Variable(synchronization=...)`" in message
+    assert "Keras 3.8.0 does not have it" in message
+    assert f"keras>={compat.TESTED_KERAS.low}" in message
+
+
+def test_renamed_all_reduce_is_refused_rather_than_reduced_twice(monkeypatch):
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+
+    monkeypatch.delattr(TFOptimizer, "_all_reduce_sum_gradients")
+    with pytest.raises(compat.KerasInternalsError,
+                       match=r"TFOptimizer._all_reduce_sum_gradients.*"
+                             rf"Keras {keras.__version__} does not have it"):
+        GradientAccumulationModel(workers.build_mlp(), accum_steps=2)
+    with pytest.raises(compat.KerasInternalsError):
+        with compat.gradients_already_reduced(keras.optimizers.SGD()):
+            pass
+
+
+def test_changed_signature_is_refused(monkeypatch):
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+
+    monkeypatch.setattr(TFOptimizer, "_all_reduce_sum_gradients",
+                        lambda self, grads, variables: grads)
+    with pytest.raises(compat.KerasInternalsError,
+                       match=r"parameters \('self', 'grads_and_vars'\) "
+                             r"\(found \('self', 'grads'\)\)"):
+        compat.check_accumulation_support()
+
+
+def test_multi_worker_fix_refuses_a_changed_trainer(monkeypatch):
+    from keras.src.backend.tensorflow import trainer as tf_trainer
+
+    monkeypatch.setattr(compat, "_multi_worker_fit_enabled", False)
+    reduce_before = tf_trainer.reduce_per_replica
+
+    def _maybe_symbolic_build(self, data_batch=None):  # a reshaped trainer
+        pass
+
+    monkeypatch.setattr(tf_trainer.TensorFlowTrainer, "_maybe_symbolic_build",
+                        _maybe_symbolic_build)
+    with pytest.raises(compat.KerasInternalsError) as info:
+        compat.enable_multi_worker_fit()
+    assert "TensorFlowTrainer._maybe_symbolic_build" in str(info.value)
+    assert "keras-team/keras#20585" in str(info.value)
+    assert f"Keras {keras.__version__}" in str(info.value)
+    # Nothing was half-patched.
+    assert tf_trainer.reduce_per_replica is reduce_before
+    assert not compat.multi_worker_fit_enabled()
+
+
+def test_schedule_lookup_needs_the_private_attribute():
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.5)
+    assert compat.learning_rate_schedule(keras.optimizers.SGD(schedule)) is (
+        schedule)
+    assert compat.learning_rate_schedule(keras.optimizers.SGD(0.1)) is None
+    with pytest.raises(compat.KerasInternalsError,
+                       match="_learning_rate.*learning-rate scaling"):
+        compat.learning_rate_schedule(object())
+
+
+def test_initial_epoch_hook_needs_the_private_attribute():
+    model = workers.build_mlp()
+    compat.set_initial_epoch(model, 3)
+    assert model._initial_epoch == 3
+    with pytest.raises(compat.KerasInternalsError, match="_initial_epoch"):
+        compat.set_initial_epoch(object(), 3)
+
+
+def test_calling_callback_list_is_found_through_any_depth():
+    seen = {}
+
+    class Probe(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            seen["direct"] = compat.calling_callback_list()
+            seen["nested"] = (lambda: compat.calling_callback_list())()
+
+    probe, other = Probe(), keras.callbacks.History()
+    keras.callbacks.CallbackList([probe, other]).on_train_begin()
+    assert probe in seen["direct"] and other in seen["direct"]
+    assert seen["nested"] == seen["direct"]
+    assert compat.calling_callback_list() is None  # no CallbackList calling
+
+
+def test_logits_are_recovered_by_this_keras():
+    # FP32OutputHead relies on it; a Keras that stops reading the attached
+    # logits makes the head warn at build time.
+    assert compat.logits_recovered()
+
+
+def test_sample_count_is_none_before_compile():
+    model = workers.build_mlp()
+    assert compat.examples_count(model) is None
+    model.compile("sgd", "mse")
+    assert compat.examples_count(model) is not None
+    assert compat.examples_seen(model) == 0.0
