@@ -5,10 +5,8 @@ strategy first, prints `STEP <n>;` after every batch so a test can kill it at
 a chosen step, and returns the final weights.
 """
 
+
 import numpy as np
-
-
-import time
 
 
 def train(backup_dir, preset="preemptible", save_freq=4, accum_steps=None,
@@ -27,11 +25,13 @@ def train(backup_dir, preset="preemptible", save_freq=4, accum_steps=None,
     write = backup_and_restore._write_file
 
     def slow_write(path, data):
-        # Stretches a save, so a test can kill the process in the middle of
-        # writing a generation.
+        # Holds a save after its weights file until the test, seeing the
+        # marker, kills the process: the kill lands inside the generation.
         write(path, data)
-        print(f"WROTE {path.rsplit('/', 1)[-1]};", flush=True)
-        time.sleep(1.0)
+        name = path.rsplit('/', 1)[-1]
+        print(f"WROTE {name};", flush=True)
+        if name == "weights.weights.h5":
+            workers.hold_until_killed()
 
     keras.utils.set_random_seed(0)
     global_batch = 16
@@ -59,11 +59,10 @@ def train(backup_dir, preset="preemptible", save_freq=4, accum_steps=None,
     def on_batch_end(batch, logs):
         print(f"STEP {epoch_step[0]};", flush=True)
         if epoch_step[0] == pause_at:
-            # Hold still at this step until the test's signal arrives.
-            for _ in range(600):
-                if backup._sigterm.is_set():
-                    break
-                time.sleep(0.1)
+            # Hold still at this step until the test's signal arrives: a
+            # SIGKILL ends the process here, a SIGTERM (handled by the
+            # backup) lets it go on to save and exit.
+            backup._sigterm.wait(timeout=workers.HOLD_SECONDS)
         epoch_step[0] += 1
         if slow_save_after is not None and epoch_step[0] > slow_save_after:
             backup_and_restore._write_file = slow_write

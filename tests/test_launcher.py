@@ -42,9 +42,8 @@ def test_timeout_kills_every_worker(run_workers):
     with pytest.raises(launcher.WorkerError, match="timed out after 8s") as info:
         run_workers(workers.print_then_sleep, 2,
                     kwargs={"marker": "up", "seconds": 600}, timeout=8)
-    for r in info.value.results:
-        assert r.returncode == -signal.SIGKILL
-        assert "up" in r.stdout
+    # Killed by the launcher, whether or not they got as far as printing.
+    assert [r.returncode for r in info.value.results] == [-signal.SIGKILL] * 2
 
 
 def test_kill_when_printed_kills_requested_workers(run_workers):

@@ -1,11 +1,16 @@
 """`keras_mgpu.tuner`: real KerasTuner searches under real strategies and processes."""
 
+import contextlib
 import gc
 import importlib
 import math
 import os
+import shutil
+import socket
 import subprocess
 import sys
+import tempfile
+import threading
 
 import keras
 import keras_tuner
@@ -318,8 +323,7 @@ def test_killed_search_resumes_without_redoing_trials(run_workers, tmp_path):
            "TF_CONFIG": "{}"}
     first = run_workers(
         tuner_workers.resumable_search, 1, env=env, timeout=180,
-        kwargs={"directory": directory, "kill_trial": "1", "kill_epoch": 2,
-                "sleep": 120},
+        kwargs={"directory": directory, "kill_trial": "1", "kill_epoch": 2},
         kill_when_printed="KILL-ME")
     assert first[0].killed
     log = tuner_workers.read_log(os.path.join(directory, "epochs.jsonl"))
@@ -343,11 +347,51 @@ def test_killed_search_resumes_without_redoing_trials(run_workers, tmp_path):
         directory, "resume", "trial_1", "backup", "execution_0"))
 
 
+@contextlib.contextmanager
+def rendezvous(parties, timeout=240):
+    """A barrier for `parties` worker processes, held by the test: a Unix
+    socket that answers every worker once all have connected."""
+    folder = tempfile.mkdtemp(prefix="kmgpu-rv-")  # short: AF_UNIX paths
+    address = os.path.join(folder, "rv.sock")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(address)
+    listener.listen(parties)
+    listener.settimeout(timeout)
+
+    def serve():
+        connections = []
+        try:
+            for _ in range(parties):
+                connections.append(listener.accept()[0])
+            for c in connections:
+                c.sendall(b"1")
+        except OSError:
+            pass  # timed out: the waiting workers fail with their own error
+        finally:
+            for c in connections:
+                c.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield address
+    finally:
+        try:
+            listener.shutdown(socket.SHUT_RDWR)  # wakes a pending accept
+        except OSError:
+            pass
+        listener.close()
+        thread.join(timeout=10)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def test_launch_chief_and_two_workers(tmp_path):
-    results = mgpu_tuner.launch(
-        tuner_workers.parallel_search, devices=[], num_workers=2,
-        kwargs={"directory": str(tmp_path), "max_trials": 4}, timeout=240,
-        env={"TF_CPP_MIN_LOG_LEVEL": "2"})
+    with rendezvous(2) as address:
+        results = mgpu_tuner.launch(
+            tuner_workers.parallel_search, devices=[], num_workers=2,
+            kwargs={"directory": str(tmp_path), "max_trials": 4,
+                    "rendezvous": address},
+            timeout=240, env={"TF_CPP_MIN_LOG_LEVEL": "2"})
     chief, *workers = [r.result for r in results]
     assert chief["tuner_id"] == "chief" and chief["trained"] == []
     assert {t["status"] for t in chief["trials"].values()} == {"COMPLETED"}

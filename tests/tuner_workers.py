@@ -6,7 +6,7 @@ TensorFlow call.
 
 import json
 import os
-import time
+import socket
 
 import numpy as np
 
@@ -35,13 +35,31 @@ def build_model(hp):
     return model
 
 
+def meet_peers(address, timeout=120):
+    """Blocks until the test's rendezvous (a Unix socket at `address`) says
+    every tuning worker has arrived."""
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(timeout)
+        s.connect(address)
+        if s.recv(1) != b"1":
+            raise RuntimeError("the rendezvous closed before every tuning "
+                               "worker arrived")
+
+
 def make_recording_hypermodel(log_path, kill_trial=None, kill_epoch=None,
-                              sleep=0.0, **kwargs):
-    """A StrategyAwareHyperModel that logs each trained epoch to `log_path`."""
+                              rendezvous=None, **kwargs):
+    """A StrategyAwareHyperModel that logs each trained epoch to `log_path`.
+
+    With `rendezvous`, the first trial of this process waits there until
+    every tuning worker holds a trial of its own.
+    """
     import keras
 
     from keras_mgpu import compat
     from keras_mgpu import tuner as mgpu_tuner
+    from tests import workers
+
+    pending = [rendezvous] if rendezvous else []
 
     class Recorder(keras.callbacks.Callback):
         def __init__(self, trial_id):
@@ -53,7 +71,7 @@ def make_recording_hypermodel(log_path, kill_trial=None, kill_epoch=None,
                 # The backup of the epochs before this one is already
                 # committed (BackupAndRestore runs first): die in here.
                 print("KILL-ME", flush=True)
-                time.sleep(sleep)
+                workers.hold_until_killed()
 
         def on_epoch_end(self, epoch, logs=None):
             record = {
@@ -66,6 +84,8 @@ def make_recording_hypermodel(log_path, kill_trial=None, kill_epoch=None,
     class RecordingHyperModel(mgpu_tuner.StrategyAwareHyperModel):
         def fit(self, hp, model, *args, callbacks=None, **kw):
             _, trial = compat.tuner_and_trial(callbacks)
+            if pending:
+                meet_peers(pending.pop())
             callbacks = list(callbacks) + [Recorder(trial.trial_id)]
             return super().fit(hp, model, *args, callbacks=callbacks, **kw)
 
@@ -79,7 +99,7 @@ def read_log(log_path):
         return [json.loads(line) for line in f if line.strip()]
 
 
-def resumable_search(directory, kill_trial=None, kill_epoch=None, sleep=0.0):
+def resumable_search(directory, kill_trial=None, kill_epoch=None):
     """Worker entry point: 3 trials x 4 epochs, rerunnable with overwrite=False."""
     import keras_mgpu
 
@@ -88,7 +108,7 @@ def resumable_search(directory, kill_trial=None, kill_epoch=None, sleep=0.0):
 
     log_path = os.path.join(directory, "epochs.jsonl")
     hypermodel = make_recording_hypermodel(
-        log_path, kill_trial, kill_epoch, sleep, per_replica_batch_size=8)
+        log_path, kill_trial, kill_epoch, per_replica_batch_size=8)
     tuner = keras_tuner.RandomSearch(
         hypermodel, objective="loss", max_trials=3, seed=3,
         directory=directory, project_name="resume", overwrite=False,
@@ -100,7 +120,7 @@ def resumable_search(directory, kill_trial=None, kill_epoch=None, sleep=0.0):
     }
 
 
-def parallel_search(directory, max_trials=4):
+def parallel_search(directory, max_trials=4, rendezvous=None):
     """Worker entry point for `keras_mgpu.tuner.launch`: chief or worker."""
     import keras_mgpu
 
@@ -109,16 +129,11 @@ def parallel_search(directory, max_trials=4):
 
     tuner_id = os.environ["KERASTUNER_TUNER_ID"]
     log_path = os.path.join(directory, f"epochs_{tuner_id}.jsonl")
-    if tuner_id != "chief":
-        # Both workers ask for trials only once both are up, so each runs
-        # some: the test shows trials really ran in parallel processes.
-        open(os.path.join(directory, f"up_{tuner_id}"), "w").close()
-        deadline = time.monotonic() + 120
-        while sum(n.startswith("up_") for n in os.listdir(directory)) < 2:
-            if time.monotonic() > deadline:
-                raise TimeoutError("the other tuning worker never started")
-            time.sleep(0.2)
-    hypermodel = make_recording_hypermodel(log_path, per_replica_batch_size=4)
+    # Each worker holds its first trial until the other holds one too, so
+    # both run some: the test shows trials really ran in parallel processes.
+    hypermodel = make_recording_hypermodel(
+        log_path, per_replica_batch_size=4,
+        rendezvous=None if tuner_id == "chief" else rendezvous)
     tuner = keras_tuner.RandomSearch(
         hypermodel, objective="loss", max_trials=max_trials, seed=5,
         directory=directory, project_name="parallel",
