@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: demo test venv clean
+.PHONY: demo test matrix venv clean
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit("keras-mgpu needs Python 3.10+, found " + sys.version.split()[0]) if sys.version_info < (3, 10) else None'
@@ -22,5 +22,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -n 2 --dist loadfile $(PYTEST_ARGS)
 
+# The distribution-critical tests on the oldest and newest supported
+# TensorFlow/Keras pairs (noxfile.py); NOX_ARGS="-s oldest" runs one.
+matrix: $(STAMP)
+	$(VENV)/bin/nox $(NOX_ARGS)
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) .nox build *.egg-info

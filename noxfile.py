@@ -1,0 +1,55 @@
+"""Version matrix: the distribution-critical tests on the oldest and the
+newest TensorFlow/Keras pair keras-mgpu supports.
+
+    .venv/bin/nox -s oldest      # TensorFlow 2.19.1 + Keras 3.10.0
+    .venv/bin/nox -s newest      # TensorFlow 2.21.0 + Keras 3.15.1
+    make matrix                  # both
+
+Each session builds its own virtual environment under `.nox/`. A new pair
+goes here, in `keras_mgpu.compat.TESTED_KERAS` and in the README's
+compatibility table together.
+"""
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.sessions = ["oldest", "newest"]
+
+PAIRS = {
+    "oldest": {"tensorflow": "2.19.1", "keras": "3.10.0"},
+    "newest": {"tensorflow": "2.21.0", "keras": "3.15.1"},
+}
+
+# Multi-worker fit, accumulation, backup/resume, logger, and the gates.
+CRITICAL = [
+    "tests/test_compat.py",
+    "tests/test_multi_worker_fit.py",
+    "tests/test_accumulation.py",
+    "tests/test_backup_and_restore.py",
+    "tests/test_distributed_logger.py",
+]
+
+
+def _critical(session: nox.Session, pair: str) -> None:
+    pins = [f"{name}=={version}" for name, version in PAIRS[pair].items()]
+    session.install(*pins, "-e", ".[test]")
+    session.run("python", "-m", "pip", "check")
+    session.run("python", "-c",
+                "import tensorflow as tf, keras; "
+                "print('testing TensorFlow', tf.__version__, "
+                "'with Keras', keras.__version__)")
+    session.run("python", "-m", "pytest", "-n", "2", "--dist", "loadfile",
+                *(session.posargs or CRITICAL),
+                env={"TF_CPP_MIN_LOG_LEVEL": "2"})
+
+
+@nox.session
+def oldest(session: nox.Session) -> None:
+    """The critical tests on the oldest supported pair."""
+    _critical(session, "oldest")
+
+
+@nox.session
+def newest(session: nox.Session) -> None:
+    """The critical tests on the newest supported pair."""
+    _critical(session, "newest")
