@@ -43,10 +43,16 @@ class VersionRange:
 
     def contains(self, version) -> bool:
         """Whether `version` (a string or `Version`) lies in the range."""
-        return Version(self.low) <= Version(str(version)) <= Version(self.high)
+        return _parse(self.low) <= _parse(str(version)) <= _parse(self.high)
 
     def __str__(self) -> str:
         return f"{self.low} to {self.high}"
+
+
+@functools.lru_cache(maxsize=64)
+def _parse(version: str) -> Version:
+    # Checked on every private lookup (per logger record, say): parse once.
+    return Version(version)
 
 
 # The Keras releases the suite has been run on (README, "Compatibility").
@@ -78,7 +84,7 @@ def keras_version() -> Version:
     >>> keras_version() >= Version("3.0")
     True
     """
-    return Version(keras.__version__)
+    return _parse(keras.__version__)
 
 
 _warned_versions = set()
