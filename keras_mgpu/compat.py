@@ -513,6 +513,19 @@ def tuner_and_trial(callbacks):
             and getattr(trial, "trial_id", None) is not None
         ):
             return tuner, trial
+        if type(callback).__name__ == "TunerCallback":
+            # KerasTuner's own callback, reshaped: say so rather than run
+            # the search without per-trial backups.
+            import keras_tuner
+
+            raise KerasInternalsError(
+                "keras-mgpu finds the trial through KerasTuner's "
+                "TunerCallback(tuner, trial), but in KerasTuner "
+                f"{keras_tuner.__version__} it has no `tuner` with "
+                "`get_trial_dir` and `trial` with `trial_id`. Install "
+                "keras-tuner 1.4.x, or pass backup=False to "
+                "StrategyAwareHyperModel."
+            )
     return None
 
 

@@ -190,3 +190,14 @@ def test_sample_count_is_none_before_compile():
     model.compile("sgd", "mse")
     assert compat.examples_count(model) is not None
     assert compat.examples_seen(model) == 0.0
+
+
+def test_reshaped_kerastuner_callback_is_refused():
+    import keras_tuner
+    from keras_tuner.src.engine import tuner_utils
+
+    assert compat.tuner_and_trial([keras.callbacks.History()]) is None
+    callback = tuner_utils.TunerCallback(tuner=None, trial=None)
+    with pytest.raises(compat.KerasInternalsError,
+                       match=f"KerasTuner {keras_tuner.__version__}"):
+        compat.tuner_and_trial([callback])
