@@ -58,14 +58,17 @@ def _parse(version: str) -> Version:
 # The Keras releases the suite has been run on (README, "Compatibility").
 TESTED_KERAS = VersionRange("3.10.0", "3.15.1")
 
-# What rests on Keras internals, for the warning on an untested Keras.
-_WORKAROUNDS = (
-    "the multi-worker fit fix (keras-team/keras#20585)",
-    "GradientAccumulationModel's train step and optimizer hooks",
-    "BackupAndRestore's resume hooks",
-    "DistributedLogger's sample count and input-wait timing",
-    "the tuner's learning-rate schedule lookup",
-)
+# What rests on Keras internals: named in each KerasInternalsError, and all
+# of them in the warning on an untested Keras.
+_MULTI_WORKER_FIX = "the multi-worker fit fix (keras-team/keras#20585)"
+_ACCUMULATION = "GradientAccumulationModel's train step and optimizer hooks"
+_MIXED = "the mixed-precision audit"
+_BACKUP = "BackupAndRestore's resume hooks"
+_TELEMETRY = "DistributedLogger's sample count"
+_INPUT_WAIT = "DistributedLogger's input-wait timing"
+_TUNER = "the tuner's learning-rate scaling"
+_WORKAROUNDS = (_MULTI_WORKER_FIX, _ACCUMULATION, _MIXED, _BACKUP,
+                _TELEMETRY, _INPUT_WAIT, _TUNER)
 
 
 class KerasInternalsError(RuntimeError):
@@ -131,6 +134,9 @@ def _internals_error(what: str, used_for: str) -> KerasInternalsError:
     )
 
 
+_MISSING = object()
+
+
 def _require(owner, name: str, used_for: str, params=None):
     """`owner.name`, checked: raises `KerasInternalsError` if it is missing,
     or (with `params`) if its leading parameters are not `params`."""
@@ -151,15 +157,11 @@ def _require(owner, name: str, used_for: str, params=None):
             )
     return value
 
-
-_MISSING = object()
-
 # --- keras-team/keras#20585: fit under MultiWorkerMirroredStrategy ----------
 # Still open (measured broken on 3.10.0 and 3.15.1). The fix replaces two
 # functions of Keras's TensorFlow trainer with versions that are also right
 # where the bug is gone, so it is applied whenever those functions have the
 # shape it was written for, whatever the version says.
-_MULTI_WORKER_FIX = "the multi-worker fit fix (keras-team/keras#20585)"
 
 _lock = threading.Lock()
 _multi_worker_fit_enabled = False
@@ -264,7 +266,6 @@ def enable_multi_worker_fit() -> bool:
 # The train-step building blocks below are the ones Keras's own
 # `TensorFlowTrainer.train_step` uses; the optimizer hooks are the
 # replica-context all-reduce and the LossScaleOptimizer's two outcomes.
-_ACCUMULATION = "GradientAccumulationModel"
 
 
 def check_accumulation_support() -> None:
@@ -275,7 +276,7 @@ def check_accumulation_support() -> None:
 
     # Replica-local accumulators need `keras.Variable(synchronization=...)`,
     # which Keras 3.8 does not take (3.10 does).
-    _require(keras.Variable, "__init__", _ACCUMULATION)
+    warn_if_untested()
     if "synchronization" not in inspect.signature(
             keras.Variable.__init__).parameters:
         raise _internals_error(
@@ -343,7 +344,6 @@ def loss_scale_skip(optimizer) -> None:
 # softmax/sigmoid output to recover its logits for the cross-entropy losses;
 # `keras.activations.softmax`/`sigmoid` set it.
 KERAS_LOGITS_ATTR = "_keras_logits"
-_MIXED = "the mixed-precision audit"
 
 
 def attach_logits(output, logits) -> bool:
@@ -415,7 +415,6 @@ def producing_layer(keras_tensor):
 # BackupAndRestore uses this), calls `model.train_function(iterator)` once per
 # batch (or `steps_per_execution` batches), and calls each callback's
 # `on_train_begin` from `CallbackList.on_train_begin`.
-_BACKUP = "BackupAndRestore's resume"
 
 
 def set_initial_epoch(model, epoch) -> None:
@@ -447,9 +446,6 @@ def calling_callback_list(max_depth: int = 8):
 # Keras's `train_step` (and `compat.track_loss`) feeds the loss tracker with
 # `sample_weight=batch_size`, so the tracker's `count` is the number of
 # samples trained on since the metrics were last reset (each epoch).
-_TELEMETRY = "DistributedLogger's sample count"
-
-
 def loss_tracker(model, used_for: str = _TELEMETRY):
     """The compiled model's `loss` metric (a `Mean`), or None if uncompiled."""
     if not getattr(model, "compiled", False):
@@ -491,8 +487,7 @@ def examples_seen(model) -> float | None:
 
 def learning_rate_schedule(optimizer):
     """The optimizer's `LearningRateSchedule`, or None for a fixed rate."""
-    schedule = _require(optimizer, "_learning_rate",
-                        "the tuner's learning-rate scaling")
+    schedule = _require(optimizer, "_learning_rate", _TUNER)
     if isinstance(schedule, keras.optimizers.schedules.LearningRateSchedule):
         return schedule
     return None
