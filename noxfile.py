@@ -20,13 +20,15 @@ PAIRS = {
     "newest": {"tensorflow": "2.21.0", "keras": "3.15.1"},
 }
 
-# Multi-worker fit, accumulation, backup/resume, logger, and the gates.
+# Multi-worker fit, accumulation, backup/resume, logger, the runtime under
+# them, and the gates.
 CRITICAL = [
     "tests/test_compat.py",
     "tests/test_multi_worker_fit.py",
     "tests/test_accumulation.py",
     "tests/test_backup_and_restore.py",
     "tests/test_distributed_logger.py",
+    "tests/test_runtime.py",
 ]
 
 

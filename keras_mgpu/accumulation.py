@@ -39,7 +39,14 @@ class GradientAccumulationModel(keras.Model):
 
     The accumulators, the sample count and the micro-step counter are
     variables of this model, so `save_weights`, `model.save` and checkpoints
-    carry a half-finished window.
+    carry a half-finished window. The accumulators hold sums of per-sample
+    gradients over the window's samples, whatever the replica count (each
+    replica holds its share; reading sums them), so a window saved on 2
+    replicas resumes exactly on 1 or 4 with the same global batch.
+
+    The window is public state (as optax's `MultiSteps` makes it):
+    `micro_step`, `update_count`, `has_updated` and `grad_norm`, and
+    `window_variables` for reading them inside a compiled function.
 
     BatchNormalization sees each micro-batch, not the big batch: its batch
     statistics and moving averages are per micro-batch, as in plain `fit` at
@@ -209,6 +216,12 @@ class GradientAccumulationModel(keras.Model):
         self._grad_norm = keras.Variable(
             **scalar, dtype="float32", trainable=False, name="grad_norm"
         )
+        self._update_count = keras.Variable(
+            **scalar, dtype="int64", trainable=False, name="update_count"
+        )
+        self._updated = keras.Variable(
+            **scalar, dtype="int64", trainable=False, name="has_updated"
+        )
 
     @property
     def micro_step(self) -> int:
@@ -220,6 +233,30 @@ class GradientAccumulationModel(keras.Model):
         """Global norm of the last applied gradient, before clipping."""
         return float(self._grad_norm.numpy())
 
+    @property
+    def update_count(self) -> int:
+        """Windows closed so far: optimizer steps made, plus those skipped
+        for a non-finite gradient under a loss scale."""
+        return int(self._update_count.numpy())
+
+    @property
+    def has_updated(self) -> bool:
+        """Whether the last micro-batch (or epoch end) closed a window."""
+        return bool(self._updated.numpy())
+
+    @property
+    def window_variables(self) -> dict:
+        """The window's state as variables, for compiled readers: `micro_step`,
+        `update_count`, `has_updated`, `grad_norm` and `samples` (the
+        window's sample count so far, summed over replicas when read)."""
+        return {
+            "micro_step": self._micro_step,
+            "update_count": self._update_count,
+            "has_updated": self._updated,
+            "grad_norm": self._grad_norm,
+            "samples": self._sample_count,
+        }
+
     # --- Training -----------------------------------------------------------
 
     def train_step(self, data):
@@ -229,6 +266,11 @@ class GradientAccumulationModel(keras.Model):
         loss_scaled = isinstance(
             self.optimizer, keras.optimizers.LossScaleOptimizer
         )
+        # Keras divides each replica's loss by the replica count (for a SUM
+        # all-reduce); undone here, so the accumulators hold plain sums of
+        # per-sample gradients: the same global sums on any replica count.
+        context = tf.distribute.get_replica_context()
+        weight_sum = weight * float(context.num_replicas_in_sync)
         with tf.GradientTape() as tape:
             y_pred = self(x, training=True)
             loss = compat.compute_loss(self, x, y, y_pred, sample_weight)
@@ -239,7 +281,7 @@ class GradientAccumulationModel(keras.Model):
                 # weighting every gradient costs a pass over the parameters.
                 # Not under a loss scale: it would push half-precision
                 # gradients n times closer to overflow.
-                objective = objective * tf.cast(weight, objective.dtype)
+                objective = objective * tf.cast(weight_sum, objective.dtype)
         variables = self.trainable_variables
         if tuple(id(v) for v in variables) != self._accumulated_ids:
             raise ValueError(
@@ -254,12 +296,11 @@ class GradientAccumulationModel(keras.Model):
             for g, v in zip(tape.gradient(objective, variables), variables)
         ]
         if loss_scaled:
-            grads = [g * weight for g in grads]
+            grads = [g * weight_sum for g in grads]
         if not self.optimizer.built:
             # Without a strategy scope Keras builds the optimizer lazily in
             # `apply`; the window update needs its variables first.
             self.optimizer.build(variables)
-        context = tf.distribute.get_replica_context()
         if self.accum_steps == 1:
             # Every micro-batch is a whole window: skip the accumulators.
             context.merge_call(self._apply_window, args=(grads + [weight],))
@@ -276,8 +317,10 @@ class GradientAccumulationModel(keras.Model):
     def _end_micro_step(self, strategy):
         """Cross-replica: count the micro-batch; on the window's last, apply."""
         self._micro_step.assign_add(1)
+        closes = self._micro_step.value >= self.accum_steps
+        self._updated.assign(tf.cast(closes, "int64"))
         tf.cond(
-            self._micro_step.value >= self.accum_steps,
+            closes,
             lambda: self._apply_window(strategy),
             lambda: None,
         )
@@ -288,7 +331,6 @@ class GradientAccumulationModel(keras.Model):
         `sums`: per-replica weighted gradients and sample count, given
         directly instead of read from the accumulators.
         """
-        num_replicas = strategy.num_replicas_in_sync
         variables = self.trainable_variables
 
         def all_reduce(local=None):
@@ -303,9 +345,7 @@ class GradientAccumulationModel(keras.Model):
             total = tf.distribute.get_replica_context().all_reduce(
                 tf.distribute.ReduceOp.SUM, local
             )
-            # Each replica's loss was divided by `num_replicas` (Keras's
-            # scaling for SUM all-reduce); undo it to average over samples.
-            scale = num_replicas / tf.maximum(total[-1], 1.0)
+            scale = 1.0 / tf.maximum(total[-1], 1.0)
             return [
                 tf.cast(g * scale, v.dtype)
                 for g, v in zip(total[:-1], variables)
@@ -342,6 +382,8 @@ class GradientAccumulationModel(keras.Model):
                     lambda g: optimizer.apply(g, variables), args=(grads,)
                 )
         self._grad_norm.assign(norm)
+        self._update_count.assign_add(1)
+        self._updated.assign(1)
         if sums is None:
             self._reset_window()
 
@@ -364,6 +406,7 @@ class GradientAccumulationModel(keras.Model):
                     self._apply_window(strategy)
                 else:
                     self._reset_window()
+                    self._updated.assign(0)
 
             self._epoch_end_function = epoch_end
         with self.distribute_strategy.scope():

@@ -15,7 +15,6 @@ import contextlib
 import dataclasses
 import functools
 import inspect
-import sys
 import threading
 import warnings
 
@@ -64,8 +63,8 @@ _MULTI_WORKER_FIX = "the multi-worker fit fix (keras-team/keras#20585)"
 _ACCUMULATION = "GradientAccumulationModel's train step and optimizer hooks"
 _MIXED = "the mixed-precision audit"
 _BACKUP = "BackupAndRestore's resume hooks"
-_TELEMETRY = "DistributedLogger's sample count"
-_INPUT_WAIT = "DistributedLogger's input-wait timing"
+_TELEMETRY = "the training runtime's sample count"
+_INPUT_WAIT = "the training runtime's input-wait timing"
 _TUNER = "the tuner's learning-rate scaling"
 _WORKAROUNDS = (_MULTI_WORKER_FIX, _ACCUMULATION, _MIXED, _BACKUP,
                 _TELEMETRY, _INPUT_WAIT, _TUNER)
@@ -412,9 +411,8 @@ def producing_layer(keras_tensor):
 
 # --- Backup and restore (keras_mgpu.callbacks.BackupAndRestore) --------------
 # Keras's `fit` starts at `model._initial_epoch` when set (its own
-# BackupAndRestore uses this), calls `model.train_function(iterator)` once per
-# batch (or `steps_per_execution` batches), and calls each callback's
-# `on_train_begin` from `CallbackList.on_train_begin`.
+# BackupAndRestore uses this), and calls `model.train_function(iterator)`
+# once per batch (or `steps_per_execution` batches).
 
 
 def set_initial_epoch(model, epoch) -> None:
@@ -423,26 +421,40 @@ def set_initial_epoch(model, epoch) -> None:
     model._initial_epoch = epoch
 
 
-def calling_callback_list(max_depth: int = 8):
-    """The callbacks of the `CallbackList` that is calling a callback hook.
+def callback_siblings(callback):
+    """The callbacks of the `CallbackList` driving `callback` (itself included).
 
-    Callbacks have no reference to their siblings; the `CallbackList` that
-    invokes the hook is the `self` of a caller a few frames up (two in Keras
-    3.15). None when no `CallbackList` is calling (a hand-driven callback).
+    Callbacks have no reference to their list. The list is found among the
+    objects referring to `callback` (Python's `gc.get_referrers`, one scan
+    of the heap per call: call it once per `fit`); when several lists hold it
+    (a failed `fit`'s list kept alive by its traceback), the one whose
+    `params` were given to `callback` is the current one. None when no
+    `CallbackList` holds it (a hand-driven callback).
     """
+    import gc
+
     callback_list = _require(keras.callbacks, "CallbackList", _BACKUP)
-    frame = sys._getframe(1)
-    for _ in range(max_depth):
-        frame = frame.f_back
-        if frame is None:
-            break
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, callback_list):
-            return list(owner.callbacks)
-    return None
+    found = []
+    for container in gc.get_referrers(callback):
+        if not isinstance(container, list):
+            continue
+        for owner in gc.get_referrers(container):
+            if isinstance(owner, dict):
+                # An instance dict Python has materialized: its owner.
+                owners = [o for o in gc.get_referrers(owner)
+                          if isinstance(o, callback_list)
+                          and getattr(o, "__dict__", None) is owner]
+            else:
+                owners = [owner]
+            found.extend(o for o in owners if isinstance(o, callback_list)
+                         and getattr(o, "callbacks", None) is container)
+    if not found:
+        return None
+    current = [o for o in found if o.params is callback.params]
+    return list((current or found)[-1].callbacks)
 
 
-# --- Telemetry (keras_mgpu.callbacks.DistributedLogger) ----------------------
+# --- Telemetry (keras_mgpu.runtime, read by the callbacks) -------------------
 # Keras's `train_step` (and `compat.track_loss`) feeds the loss tracker with
 # `sample_weight=batch_size`, so the tracker's `count` is the number of
 # samples trained on since the metrics were last reset (each epoch).
@@ -524,7 +536,7 @@ def tuner_and_trial(callbacks):
     return None
 
 
-# --- Input wait (keras_mgpu.callbacks.DistributedLogger) ---------------------
+# --- Input wait (keras_mgpu.runtime, for DistributedLogger) ------------------
 # Keras's TensorFlow trainer (3.10 to 3.15 at least) makes
 # `model.train_function` a plain closure `function(iterator)` over
 # `multi_step_on_iterator`, a `tf.function` that fetches each batch inside

@@ -13,6 +13,7 @@ import tensorflow as tf
 
 from keras_mgpu import compat
 from keras_mgpu.layers.fp32_output_head import FP32OutputHead
+from keras_mgpu.runtime import training_runtime
 
 logger = logging.getLogger(__name__)
 
@@ -430,15 +431,14 @@ class LossScaleMonitor(keras.callbacks.Callback):
     - `skipped_steps`: optimizer steps skipped since the epoch began;
     - `skipped_steps_total`: steps skipped since this callback was created.
 
-    A skipped step is a batch after which `optimizer.iterations` did not
-    advance. With `keras_mgpu.GradientAccumulationModel` only the last
-    micro-batch of a window can step, so a window is checked (and a skipped
-    window counted once) when its `accum_step` log is back to 0.
+    The counts come from the training runtime shared with keras-mgpu's
+    other callbacks (`keras_mgpu.runtime`): an optimizer step attempted (a
+    batch, or a `GradientAccumulationModel` window) that did not advance
+    `optimizer.iterations` was skipped, so a skipped window counts once.
 
     Warns (`warnings.warn`, `RuntimeWarning`) when the scale falls below
     `min_scale` and when `max_consecutive_skips` steps in a row are skipped,
-    once per occurrence. Reads two scalars from the device per batch.
-    Assumes `steps_per_execution=1`.
+    once per occurrence. Reads three scalars from the device per batch.
 
     Args:
         min_scale: Defaults to 1.0. Warn when the loss scale drops below it:
@@ -480,35 +480,42 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self.skipped_steps_total = 0
         self.consecutive_skips = 0
         self.loss_scale = None
-        self._last_iterations = None
+        self._last_counts = None
         self._warned_low_scale = False
 
     def _optimizer(self):
         return getattr(self.model, "optimizer", None)
 
-    def _iterations(self) -> int:
-        return int(self._optimizer().iterations.numpy())
-
     def on_train_begin(self, logs=None):
-        self._last_iterations = self._iterations()
+        self._runtime = training_runtime(self.model)
+        self._runtime.train_begin(self)
+        self._last_counts = None
         self.consecutive_skips = 0
 
     def on_epoch_begin(self, epoch, logs=None):
+        self._runtime.epoch_begin(epoch)
         self.skipped_steps = 0
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._runtime.train_batch_begin(batch)
+        if self._last_counts is None:
+            # After any resume (restored in on_train_begin).
+            self._last_counts = self._runtime.update_counts()
 
     def on_train_batch_end(self, batch, logs=None):
         logs = logs if logs is not None else {}
-        window_ended = (
-            "accum_step" not in logs
-            or int(np.asarray(logs["accum_step"])) == 0
-        )
-        if window_ended:
-            iterations = self._iterations()
-            if iterations == self._last_iterations:
-                self.skipped_steps += 1
-                self.skipped_steps_total += 1
-                self.consecutive_skips += 1
-                if self.consecutive_skips == self.max_consecutive_skips:
+        self._runtime.train_batch_end(batch)
+        attempted, applied = self._runtime.update_counts()
+        last_attempted, last_applied = self._last_counts
+        self._last_counts = attempted, applied
+        if attempted > last_attempted:
+            skipped = (attempted - last_attempted) - (applied - last_applied)
+            if skipped > 0:
+                self.skipped_steps += skipped
+                self.skipped_steps_total += skipped
+                self.consecutive_skips += skipped
+                if self.consecutive_skips >= self.max_consecutive_skips > (
+                        self.consecutive_skips - skipped):
                     warnings.warn(
                         f"LossScaleMonitor: {self.consecutive_skips} "
                         "consecutive optimizer steps skipped for non-finite "
@@ -520,14 +527,20 @@ class LossScaleMonitor(keras.callbacks.Callback):
                     )
             else:
                 self.consecutive_skips = 0
-            self._last_iterations = iterations
         self.loss_scale = loss_scale(self._optimizer())
         self._check_scale()
         self._add_to(logs)
 
+    def on_test_begin(self, logs=None):
+        self._runtime.test_begin()
+
     def on_epoch_end(self, epoch, logs=None):
+        self._runtime.epoch_end(epoch)
         if logs is not None:
             self._add_to(logs)
+
+    def on_train_end(self, logs=None):
+        self._runtime.train_end()
 
     def _check_scale(self):
         if self.loss_scale is None:

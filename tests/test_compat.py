@@ -163,19 +163,31 @@ def test_initial_epoch_hook_needs_the_private_attribute():
         compat.set_initial_epoch(object(), 3)
 
 
-def test_calling_callback_list_is_found_through_any_depth():
+def test_callback_siblings_are_those_of_the_current_list():
     seen = {}
 
     class Probe(keras.callbacks.Callback):
         def on_train_begin(self, logs=None):
-            seen["direct"] = compat.calling_callback_list()
-            seen["nested"] = (lambda: compat.calling_callback_list())()
+            seen[len(seen)] = compat.callback_siblings(self)
 
     probe, other = Probe(), keras.callbacks.History()
     keras.callbacks.CallbackList([probe, other]).on_train_begin()
-    assert probe in seen["direct"] and other in seen["direct"]
-    assert seen["nested"] == seen["direct"]
-    assert compat.calling_callback_list() is None  # no CallbackList calling
+    assert seen[0] == [probe, other]
+    assert compat.callback_siblings(keras.callbacks.History()) is None
+
+    # A failed fit's list, kept alive by its traceback, holds the probe too:
+    # the list of the fit now running is the one found.
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    failing = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: 1 / 0)
+    x, y = np.ones((4, 2)), np.ones((4, 1))
+    with pytest.raises(ZeroDivisionError) as failed:
+        model.fit(x, y, verbose=0, callbacks=[probe, failing])
+    assert failing in seen[1]
+    model.fit(x, y, verbose=0, callbacks=[probe])
+    assert failed.value is not None  # the stale list is still alive
+    assert probe in seen[2] and failing not in seen[2]
 
 
 def test_logits_are_recovered_by_this_keras():

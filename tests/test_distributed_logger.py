@@ -16,6 +16,7 @@ from keras_mgpu import GradientAccumulationModel, data
 from keras_mgpu.callbacks.distributed_logger import JSONL_KEYS
 from keras_mgpu.callbacks.distributed_logger import DistributedLogger
 from keras_mgpu.mixed_precision import LossScaleMonitor
+from keras_mgpu.runtime import training_runtime
 from tests import logger_workers, workers
 from tests.conftest import mirrored
 
@@ -368,7 +369,8 @@ def test_input_wait_survives_a_swapped_train_function(tmp_path):
     # timed function reused across the swaps (no retrace per swap).
     assert waits[0] is None and waits[4] is None
     assert all(w is not None and 0 <= w < 1 for w in waits[1:4] + waits[5:])
-    timed = [f for _, f in logger._timed_functions.values() if f is not None]
+    timed = [f for _, f in training_runtime(model)._timed.values()
+             if f is not None]
     assert len(timed) == 1
 
 

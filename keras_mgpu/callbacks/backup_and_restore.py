@@ -22,10 +22,11 @@ import tensorflow as tf
 from keras_mgpu._checks import is_nonempty_path, is_positive_int
 from keras_mgpu import compat
 from keras_mgpu import strategy as strategy_lib
+from keras_mgpu.runtime import training_runtime
 
 # EX_TEMPFAIL: "try again". A job runner can restart on exactly this code.
 RESTART_EXIT_CODE = 75
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 # A preset is only a named set of constructor arguments.
 PRESETS = {
@@ -92,6 +93,14 @@ class BackupAndRestore(keras.callbacks.Callback):
     newest generation and falls back to the previous one, with a warning, if
     it is truncated, corrupt or incomplete. Paths go through `tf.io.gfile`,
     so `gs://` and other TensorFlow filesystems work.
+
+    The run's counters (`keras_mgpu.runtime`: global step, samples seen,
+    resume history) are saved with each generation and continue after a
+    resume, so `DistributedLogger`'s curves continue too. The batches to
+    skip are skipped by that runtime, which `DistributedLogger` and
+    `LossScaleMonitor` share: any callback order works. A run saved on one
+    number of replicas may resume on another with the same global batch
+    (the accumulators of a `GradientAccumulationModel` hold global sums).
 
     Under `MultiWorkerMirroredStrategy` every worker takes part in each save
     (reading replica-local variables is a collective), only the chief writes
@@ -184,19 +193,17 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         model = self.model
+        self._runtime = training_runtime(model)
+        self._runtime.train_begin(self)
         self._strategy = model.distribute_strategy
         self._chief = strategy_lib.is_chief()
         self._multi_worker = strategy_lib.is_multi_worker(self._strategy)
         self._siblings = [
-            c for c in (compat.calling_callback_list() or []) if c is not self
+            c for c in (compat.callback_siblings(self) or []) if c is not self
         ]
         self._epoch = 0
-        self._step_in_epoch = 0
-        self._global_step = 0
-        self._skip_until = 0
-        self._resume_epoch = None
+        self._last_saved_step = self._runtime.global_step
         self._pending_callback_state = None
-        self._train_function = None
         self._save_at_epoch_end = False
         self._epoch_end_save = None
         if self._chief:
@@ -206,38 +213,26 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._install_sigterm_handler()
 
     def on_epoch_begin(self, epoch, logs=None):
+        self._runtime.epoch_begin(epoch)
         self._save_pending_epoch_end()
         self._epoch = epoch
-        self._step_in_epoch = 0
         if self._pending_callback_state is not None:
             # Applied here, not in on_train_begin: EarlyStopping resets its
             # own state in its on_train_begin, which may run after ours.
             _set_callback_state(self._siblings, self._pending_callback_state)
             self._pending_callback_state = None
-        if epoch != self._resume_epoch:
-            self._skip_until = 0
 
     def on_train_batch_begin(self, batch, logs=None):
-        if batch < self._skip_until:
-            if self._train_function is None:
-                self._train_function = self.model.train_function
-            self._to_skip = min(
-                self.model.steps_per_execution, self._skip_until - batch
-            )
-            self.model.train_function = self._skip_batches
-        elif self._train_function is not None:
-            self.model.train_function = self._train_function
-            self._train_function = None
+        self._runtime.train_batch_begin(batch)
 
     def on_train_batch_end(self, batch, logs=None):
+        runtime = self._runtime
+        runtime.train_batch_end(batch)
+        if not runtime.batch_trains:
+            return  # a batch the interrupted run had already trained on
         done = batch + 1
-        if self._train_function is None:
-            self._global_step += done - self._step_in_epoch
-        self._step_in_epoch = done
-        if self._train_function is not None:
-            return
         if self.save_freq != "epoch" and (
-            self._global_step // self.save_freq
+            runtime.global_step // self.save_freq
             > self._last_saved_step // self.save_freq
         ):
             if done == self.params.get("steps"):
@@ -259,10 +254,11 @@ class BackupAndRestore(keras.callbacks.Callback):
             )
             raise SystemExit(self.exit_code)
 
+    def on_test_begin(self, logs=None):
+        self._runtime.test_begin()
+
     def on_epoch_end(self, epoch, logs=None):
-        if self._train_function is not None:
-            self.model.train_function = self._train_function
-            self._train_function = None
+        self._runtime.epoch_end(epoch)
         if self.save_freq == "epoch" or self._save_at_epoch_end:
             # Saved when the next epoch begins: by then every callback has
             # run its on_epoch_end (EarlyStopping's `best`, ...).
@@ -275,6 +271,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._epoch_end_save = None
 
     def on_train_end(self, logs=None):
+        self._runtime.train_end()
         self._uninstall_sigterm_handler()
         if not self.delete_on_success:
             self._save_pending_epoch_end()
@@ -290,11 +287,9 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     # --- saving -------------------------------------------------------------
 
-    _last_saved_step = 0
-
     def _save(self, epoch: int, step_in_epoch: int) -> Optional[int]:
         """Writes one generation; returns its number (None off the chief)."""
-        self._last_saved_step = self._global_step
+        self._last_saved_step = self._runtime.global_step
         local = tempfile.mkdtemp(prefix="keras_mgpu_backup_")
         try:
             # Every worker reads every variable: replica-local ones (metrics,
@@ -302,6 +297,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             weights_path = os.path.join(local, _WEIGHTS)
             self.model.save_weights(weights_path)
             extra = [np.asarray(v.numpy()) for v in _unsaved_variables(self.model)]
+            runtime_state = self._runtime.state()
             if not self._chief:
                 return None
             state = {
@@ -309,7 +305,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 "keras_mgpu_version": _version(),
                 "epoch": epoch,
                 "step_in_epoch": step_in_epoch,
-                "global_step": self._global_step,
+                "runtime": runtime_state,
                 "architecture": _fingerprint(self.model),
                 "callbacks": _get_callback_state(self._siblings),
                 "time": time.time(),
@@ -402,9 +398,10 @@ class BackupAndRestore(keras.callbacks.Callback):
         finally:
             shutil.rmtree(local, ignore_errors=True)
         compat.set_initial_epoch(model, state["epoch"])
-        self._resume_epoch = state["epoch"]
-        self._skip_until = state["step_in_epoch"]
-        self._global_step = self._last_saved_step = state["global_step"]
+        self._runtime.resume(state["runtime"], generation=chosen,
+                             epoch=state["epoch"],
+                             step_in_epoch=state["step_in_epoch"])
+        self._last_saved_step = self._runtime.global_step
         self._pending_callback_state = state["callbacks"]
 
     def _check_compatible(self, state: dict, number: int) -> None:
@@ -435,15 +432,6 @@ class BackupAndRestore(keras.callbacks.Callback):
                 "that every worker reads the same, e.g. a shared filesystem "
                 "or gs://."
             )
-
-    # --- batch skipping -----------------------------------------------------
-
-    def _skip_batches(self, iterator):
-        # Stands in for `model.train_function` on batches the interrupted run
-        # already trained on: consume them, train nothing.
-        for _ in range(self._to_skip):
-            next(iterator)
-        return self.model.get_metrics_result()
 
     # --- SIGTERM ------------------------------------------------------------
 

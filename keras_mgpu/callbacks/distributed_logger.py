@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import concurrent.futures
+import dataclasses
 import importlib.util
-import json
 import os
-import queue
-import threading
 import time
 import warnings
 from typing import Optional, Union
@@ -17,17 +14,17 @@ import numpy as np
 import tensorflow as tf
 
 from keras_mgpu._checks import is_nonempty_path, is_positive_int
-from keras_mgpu import compat
 from keras_mgpu import strategy as strategy_lib
-from keras_mgpu import mixed_precision
+from keras_mgpu.callbacks._sinks import Sinks
+from keras_mgpu.runtime import training_runtime
 
 # Every JSONL line has exactly these keys, in this order; a value that cannot
 # be measured in this run is `null`.
 JSONL_KEYS = (
-    "kind",  # "window" (every `update_freq` steps) or "epoch"
+    "kind",  # "window" (every `update_freq` steps), "epoch" or "resume"
     "epoch",  # 0-based epoch index
-    "step",  # train batches seen by this callback when the record closed
-    "steps",  # batches in the record
+    "step",  # the run's global step (train batches, across resumes)
+    "steps",  # batches trained in the record
     "time",  # Unix time when the record closed
     "seconds",  # wall time of the record: first batch begin to last batch done
     "examples",  # samples trained on in the record, all replicas and workers
@@ -50,9 +47,28 @@ JSONL_KEYS = (
     "worker_input_wait",  # {"min", "mean", "max"} of input_wait by worker
     "slowest_worker",  # rank with the largest step_time_mean
     "metrics",  # loss and compiled metrics, global values (val_* at epochs)
+    "resume",  # resume records: {"generation", "step", "saved_replicas",
+    #            "replicas", "text"}; else null
 )
 
 _INSTALL_HINT = 'pip install "keras-mgpu[wandb]"'
+
+
+@dataclasses.dataclass
+class _Span:
+    """A window or an epoch being measured: where it started, what it ran."""
+
+    start: Optional[dict] = None  # counters when its first batch began
+    began: Optional[float] = None  # perf_counter at its first batch begin
+    steps: int = 0  # batches trained
+    step_max: float = 0.0  # longest batch interval
+    untimed: bool = False  # a batch ran without input timing
+
+    def add(self, steps: int, start: dict, now: float, timed: bool) -> None:
+        if self.began is None:
+            self.start, self.began = start, now
+        self.steps += steps
+        self.untimed = self.untimed or not timed
 
 
 class DistributedLogger(keras.callbacks.Callback):
@@ -90,17 +106,31 @@ class DistributedLogger(keras.callbacks.Callback):
     (JSONL, TensorBoard, wandb) happens on a background thread, in order;
     everything is on disk when `fit` returns.
 
+    Records are stamped with the run's global step, kept by the training
+    runtime this callback shares with `BackupAndRestore` and
+    `LossScaleMonitor` (`keras_mgpu.runtime`): it continues across `fit`
+    calls and across a resume, so a resumed run's curves continue the
+    interrupted one's instead of overwriting them. Windows are aligned to
+    multiples of `update_freq` batches within the epoch; batches a resume
+    skips are not logged, and a window with nothing trained is not written.
+    Each resume writes a `"resume"` record ("resumed from generation N at
+    step S") and the same text to TensorBoard's `resume` tag.
+
     Examples are counted from Keras's loss tracker, which `fit` feeds with
-    each batch's real size (the last short batch included). A model whose
-    custom `train_step` does not feed it needs `batch_size`.
+    each batch's real size (the last short batch included). Where nothing
+    feeds it (a custom `train_step` that does not, a hand-written loop), a
+    record's `examples` is `null`; give `batch_size` to count them.
+
+    Works in a hand-written loop that drives its callbacks through
+    `keras.callbacks.CallbackList`, with or without `compile`.
 
     Input wait is timed inside the train function: `fit` fetches each batch
-    in its compiled step, where no host clock can see it, so the callback
+    in its compiled step, where no host clock can see it, so the runtime
     retraces Keras's own step with the fetch bracketed by `tf.timestamp`
     ops that add its duration to a variable (read with the metrics). The
     training math is unchanged. Without Keras's compiled train function
     (`run_eagerly=True`, or batches another callback stands in for) a
-    record's `input_wait` is `null`. A multi-worker record gives the mean
+    record's `input_wait` is `null`; so in a hand-written loop. A multi-worker record gives the mean
     over workers and flags `input_bound` from the most input-bound one.
 
     Args:
@@ -164,92 +194,94 @@ class DistributedLogger(keras.callbacks.Callback):
             None if profile_steps is None else tuple(profile_steps)
         )
         self.console = console
-        self.global_step = 0
+        self._runtime = None
         self._sinks = None
         self._profiling = False
         self._pending_console = None
-        self._reader = None
-        self._seconds_waited = None
-        self._timed_functions = {}
-        self._timed_function = None
+        self._logged_resumes = set()
+
+    @property
+    def global_step(self) -> int:
+        """The run's global step (train batches, continuing across resumes)."""
+        return 0 if self._runtime is None else self._runtime.global_step
 
     # --- Keras hooks ---------------------------------------------------------
 
     def on_train_begin(self, logs=None):
+        self._runtime = training_runtime(self.model)
+        self._runtime.train_begin(self)
+        self._runtime.time_input()
         self._strategy = self.model.distribute_strategy
         multi = strategy_lib.is_multi_worker(self._strategy)
         self._workers = strategy_lib.num_workers() if multi else 1
         self._replicas = strategy_lib.num_replicas(self._strategy)
         self._chief = strategy_lib.is_chief()
-        self._steps_per_call = int(getattr(self.model, "steps_per_execution", 1))
         self._in_epoch = False
         self._num_gpus = len(tf.config.list_logical_devices("GPU"))
         self._freq = (
             float("inf") if self.update_freq == "epoch" else self.update_freq
         )
         self._profile = self.profile_steps is not None and self._chief
-        # Traced at the first window close of this fit: the model's metrics
-        # and the optimizer exist by then.
+        # Read at the first trained batch (after any resume), and traced at
+        # the first record of this fit (the metrics exist by then).
+        self._last = None
         self._reader = None
-        self._fit_model = self.model
-        if self._seconds_waited is None:
-            self._seconds_waited = _local_variable()
         _memory(self._num_gpus, reset=True)
-        if self._chief:
-            if self._sinks is None:
-                self._sinks = _Sinks(self.log_dir, self.wandb_config)
+        if self._chief and self._sinks is None:
+            self._sinks = Sinks(self.log_dir, self.wandb_config)
 
     def on_epoch_begin(self, epoch, logs=None):
+        self._runtime.epoch_begin(epoch)
         self._flush_console()
+        self._log_resumes()
         self._epoch = epoch
         self._in_epoch = True
         self._epoch_record = None
-        # Keras reset the metrics just before this hook: the sample count
-        # starts at 0.
-        self._epoch_state = self._window_state = self._read_state(0.0)
-        self._epoch_start = self._window_start = None
-        self._epoch_first_step = self.global_step
-        self._window_steps = 0
-        self._epoch_step_max = self._window_step_max = 0.0
+        self._epoch_span = _Span()
+        self._window = _Span()
+        self._window_id = None
         self._last_begin = None
-        self._epoch_untimed = self._window_untimed = False
 
     def on_train_batch_begin(self, batch, logs=None):
-        # The hot path: a clock read, a comparison and counters. Everything
+        # The hot path: a clock read, comparisons and counters. Everything
         # else waits for the window to close.
         now = time.perf_counter()
+        runtime = self._runtime
+        runtime.train_batch_begin(batch)
+        if not runtime.batch_trains:
+            return  # replayed by a resume: nothing trained, nothing logged
         last = self._last_begin
-        if last is not None:
-            if now - last > self._window_step_max:
-                self._window_step_max = now - last
-            if self._window_steps >= self._freq:
+        if last is not None and now - last > self._window.step_max:
+            self._window.step_max = now - last
+        # Windows are aligned to multiples of `update_freq` batches in the
+        # epoch, so a resumed run's records fall where the original's did.
+        window_id = batch // self._freq
+        if window_id != self._window_id:
+            if self._window.steps:
                 now = self._close_window(final=False)
-        elif self._epoch_start is None:
-            self._epoch_start = now
-        if self._window_start is None:
-            self._window_start = now
-        if self._fit_model.train_function is not self._timed_function:
-            self._time_input()
-        self.global_step += self._steps_per_call
-        self._window_steps += self._steps_per_call
+            self._window_id = window_id
+        if self._last is None:
+            self._last = self._snapshot(runtime.counters())
+        steps = runtime.global_step - runtime.completed_steps
+        timed = runtime.input_timed
+        self._window.add(steps, self._last, now, timed)
+        self._epoch_span.add(steps, self._last, now, timed)
         if self._profile:
             self._update_profiler()
             if self._profiling:
                 now = time.perf_counter()
         self._last_begin = now
 
-    @property
-    def _epoch_steps(self) -> int:
-        return self.global_step - self._epoch_first_step
-
     def on_test_begin(self, logs=None):
         # Validation runs after the epoch's last batch and before
         # `on_epoch_end`: close the training figures before it starts (and
         # before `evaluate` resets the metrics).
+        self._runtime.test_begin()
         if self._in_epoch and self._epoch_record is None:
             self._finish_epoch()
 
     def on_epoch_end(self, epoch, logs=None):
+        self._runtime.epoch_end(epoch)
         if self._epoch_record is None:
             self._finish_epoch()
         self._in_epoch = False
@@ -261,49 +293,34 @@ class DistributedLogger(keras.callbacks.Callback):
             self._sinks.submit(record)
             if self.console:
                 self._pending_console = _console_line(record)
-            if self.params.get("verbose") != 1:
+            if self.params and self.params.get("verbose") != 1:
                 self._flush_console()
 
     def on_train_end(self, logs=None):
-        if self._fit_model.train_function is self._timed_function:
-            self._fit_model.train_function = self._timed_function.keras_train_function
-        self._timed_function = None
-        # Keep the twin of the function a next `fit` will call, not those of
-        # functions Keras has dropped (a recompile makes a new one).
-        current = self._fit_model.train_function
-        self._timed_functions = {
-            key: entry for key, entry in self._timed_functions.items()
-            if entry[0] is current
-        }
+        self._runtime.train_end()
         self._stop_profiler()
         self._flush_console()
         if self._sinks is not None:
             sinks, self._sinks = self._sinks, None
             sinks.close()
 
-    def _time_input(self):
-        """Puts the input-timing twin of `model.train_function` in its place.
-
-        Twins are cached by the function they stand for: a callback that
-        swaps the train function out and back (BackupAndRestore skipping
-        batches) gets the same twin back, with no retrace.
-        """
-        function = self._fit_model.train_function
-        cached = self._timed_functions.get(id(function))
-        if cached is None or cached[0] is not function:
-            cached = (function, compat.timed_train_function(
-                function, self._seconds_waited))
-            self._timed_functions[id(function)] = cached
-        if cached[1] is None:
-            # This batch's wait cannot be timed: its records report none.
-            self._window_untimed = self._epoch_untimed = True
-            return
-        self._fit_model.train_function = self._timed_function = cached[1]
-
     # --- Records -------------------------------------------------------------
 
+    def _log_resumes(self):
+        for event in self._runtime.resumed_here:
+            if event in self._logged_resumes:
+                continue
+            self._logged_resumes.add(event)
+            text = event.describe()
+            if self._chief:
+                self._sinks.submit(_record(
+                    "resume", event.epoch, event.step, {}, {}, None,
+                    resume={**dataclasses.asdict(event), "text": text}))
+                if self.console:
+                    print(f"DistributedLogger: {text}.", flush=True)
+
     def _finish_epoch(self):
-        if self._epoch_steps == 0:
+        if self._epoch_span.steps == 0:
             self._epoch_record = None
             return
         self._close_window(final=True)
@@ -312,147 +329,113 @@ class DistributedLogger(keras.callbacks.Callback):
         """Reads, aggregates and writes a window; returns when it ended."""
         # Reading the metrics waits for the device, so the time stamped after
         # it includes all the window's work.
-        read = self._read_window()
-        metrics = read["metrics"]
-        state = {
-            "examples": read["examples"],
-            "iterations": read["iterations"],
-            "micro_step": read["micro_step"],
-            "input_wait": read["input_wait"],
-        }
+        read = self._read()
+        counters = read["counters"]
+        state = self._snapshot(counters)
         end = time.perf_counter()
+        window = self._window
         if self._last_begin is not None:
-            self._window_step_max = max(self._window_step_max,
-                                        end - self._last_begin)
+            window.step_max = max(window.step_max, end - self._last_begin)
             self._last_begin = None
-        self._epoch_step_max = max(self._epoch_step_max,
-                                   self._window_step_max)
-        window = self._measure(
-            self._window_state, state, self._window_start, end,
-            self._window_steps, self._window_step_max, final,
-            self._window_untimed,
-        )
-        rows = [_worker_row(window)]
-        if final:
-            epoch = self._measure(
-                self._epoch_state, state, self._epoch_start, end,
-                self._epoch_steps, self._epoch_step_max, final,
-                self._epoch_untimed,
-            )
-            rows.append(_worker_row(epoch))
+        self._epoch_span.step_max = max(self._epoch_span.step_max,
+                                        window.step_max)
+        spans = [window] + ([self._epoch_span] if final else [])
+        measured = [self._measure(span, state, end) for span in spans]
+        rows = [_worker_row(m) for m in measured]
         gathered = self._gather(np.concatenate(rows))
         width = rows[0].size
-        window.update(_across_workers(gathered[:, :width]))
-        common = self._shared_fields(read)
-        if self.update_freq != "epoch":
-            record = _record("window", self._epoch, self.global_step, window,
-                             common, metrics)
-            if self._chief:
-                self._sinks.submit(record)
+        for i, m in enumerate(measured):
+            m.update(_across_workers(gathered[:, i * width:(i + 1) * width]))
+        common = self._shared_fields(read, counters)
+        if self.update_freq != "epoch" and self._chief:
+            self._sinks.submit(_record("window", self._epoch,
+                                       counters.global_step, measured[0],
+                                       common, read["metrics"]))
         if final:
-            epoch.update(_across_workers(gathered[:, width:]))
             self._epoch_record = _record("epoch", self._epoch,
-                                         self.global_step, epoch, common, {})
-        self._window_state = state
-        self._window_start = None
-        self._window_steps = 0
-        self._window_step_max = 0.0
-        self._window_untimed = False
+                                         counters.global_step, measured[1],
+                                         common, {})
+        self._last = state
+        self._window = _Span()
         return time.perf_counter()
 
-    def _read_state(self, examples) -> dict:
-        optimizer = self.model.optimizer
-        # Iterations only matter for counting skipped steps.
-        loss_scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+    @staticmethod
+    def _snapshot(counters) -> dict:
         return {
-            "examples": examples,
-            "iterations": (
-                int(optimizer.iterations.numpy()) if loss_scaled else None
-            ),
-            "micro_step": _accumulation(self.model)[0],
-            "input_wait": float(self._seconds_waited.numpy()),
+            "samples": counters.samples_seen,
+            "skipped": counters.updates_skipped,
+            "input_wait": counters.input_wait_seconds,
         }
 
-    def _measure(self, start, state, t0, t1, steps, step_max, final,
-                 untimed) -> dict:
-        seconds = max(t1 - t0, 1e-9)
+    def _measure(self, span: _Span, state: dict, end: float) -> dict:
+        seconds = max(end - span.began, 1e-9)
+        start = span.start
         if self.batch_size is not None:
-            examples = float(self.batch_size * steps)
-        elif state["examples"] is not None:
-            examples = state["examples"] - start["examples"]
+            examples = float(self.batch_size * span.steps)
+        elif state["samples"] is not None:
+            examples = state["samples"] - start["samples"]
         else:
             examples = None
+        if not examples:
+            # Batches trained that Keras's loss tracker never saw (a
+            # hand-written loop): unknown, not zero.
+            examples = None
         per_sec = None if examples is None else examples / seconds
-        skipped = None
-        if isinstance(self.model.optimizer, keras.optimizers.LossScaleOptimizer):
-            expected = _expected_updates(
-                self.model, steps, start["micro_step"], state["micro_step"],
-                final,
-            )
-            skipped = max(
-                expected - (state["iterations"] - start["iterations"]), 0
-            )
+        loss_scaled = isinstance(getattr(self.model, "optimizer", None),
+                                 keras.optimizers.LossScaleOptimizer)
         return {
-            "steps": steps,
+            "steps": span.steps,
             "seconds": seconds,
             "examples": examples,
             "examples_per_sec": per_sec,
             "examples_per_sec_per_replica": (
                 None if per_sec is None else per_sec / self._replicas
             ),
-            "step_time_mean": seconds / steps,
-            "step_time_max": step_max,
-            "input_wait": None if untimed else min(
+            "step_time_mean": seconds / span.steps,
+            "step_time_max": span.step_max,
+            "input_wait": None if span.untimed else min(
                 (state["input_wait"] - start["input_wait"]) / seconds, 1.0),
-            "skipped_steps": skipped,
+            "skipped_steps": (state["skipped"] - start["skipped"]
+                              if loss_scaled else None),
         }
 
-    def _read_window(self) -> dict:
-        """Everything a window reads from the device, in one compiled call.
+    def _read(self) -> dict:
+        """Everything a record reads from the device, in one compiled call.
 
-        Metrics, sample count, iterations, learning rate, loss scale and the
+        Metrics, the runtime's counters, learning rate, loss scale and the
         accumulation state come back from one cached `tf.function` (one
         dispatch, one wait for the device) instead of a dozen eager reads.
         Reading the replica-summed metrics is a collective under
         MultiWorkerMirroredStrategy: every worker calls this at the same
-        window boundaries.
+        record boundaries.
         """
-        optimizer = self.model.optimizer
+        optimizer = getattr(self.model, "optimizer", None)
         if optimizer is not None and not optimizer.built:
-            # Nothing trained yet (e.g. every batch skipped by a resume):
-            # read eagerly, the variables may not exist.
-            return self._read_eagerly()
-        if self._reader is None:
-            self._reader = _make_reader(self.model, self._seconds_waited)
-        raw = self._reader()
+            # A hand-written loop that has not stepped the optimizer yet:
+            # read eagerly, its variables may not exist.
+            raw = _read_values(self.model, self._runtime)
+        else:
+            if self._reader is None:
+                self._reader = tf.function(
+                    lambda: _read_values(self.model, self._runtime),
+                    autograph=False).get_concrete_function()
+            raw = self._reader()
+        values = {k: None if v is None else np.asarray(v)
+                  for k, v in raw["counters"].items()}
         return {
             "metrics": _floats(raw["metrics"]),
-            "examples": _scalar(raw["examples"], float),
-            "iterations": _scalar(raw["iterations"], int),
-            "micro_step": _scalar(raw["micro_step"], int),
+            "counters": self._runtime.counters(values),
             "grad_norm": _scalar(raw["grad_norm"], float),
             "learning_rate": _scalar(raw["learning_rate"], float),
             "loss_scale": _scalar(raw["loss_scale"], float),
-            "input_wait": _scalar(raw["input_wait"], float),
         }
 
-    def _read_eagerly(self) -> dict:
-        optimizer = self.model.optimizer
-        state = self._read_state(compat.examples_seen(self.model))
-        return {
-            "metrics": _floats(self.model.get_metrics_result()),
-            **state,
-            "grad_norm": _accumulation(self.model)[1],
-            "learning_rate": _learning_rate(optimizer),
-            "loss_scale": mixed_precision.loss_scale(optimizer),
-        }
-
-    def _shared_fields(self, read) -> dict:
+    def _shared_fields(self, read, counters) -> dict:
         return {
             "learning_rate": read["learning_rate"],
             "loss_scale": read["loss_scale"],
             "grad_norm": read["grad_norm"],
-            "accum_step": read["micro_step"],
+            "accum_step": counters.micro_step,
             "memory": _memory(self._num_gpus, reset=True),
             "workers": self._workers,
             "replicas": self._replicas,
@@ -480,10 +463,11 @@ class DistributedLogger(keras.callbacks.Callback):
     def _update_profiler(self):
         if self.profile_steps is None or not self._chief:
             return
+        step = self.global_step
         start, stop = self.profile_steps
-        if self._profiling and self.global_step > stop:
+        if self._profiling and step > stop:
             self._stop_profiler()
-        if not self._profiling and start <= self.global_step <= stop:
+        if not self._profiling and start <= step <= stop:
             try:
                 tf.profiler.experimental.start(
                     os.path.join(self.log_dir, "train")
@@ -505,124 +489,6 @@ class DistributedLogger(keras.callbacks.Callback):
 
 
 # --- Helpers -----------------------------------------------------------------
-
-
-class _Sinks:
-    """The chief's outputs, written in order by one background thread.
-
-    Training only queues records. The thread takes every record waiting
-    and writes them together: JSONL lines in one write, TensorBoard events
-    in one compiled call, then wandb. A failed write is raised on the
-    training thread at the next `submit` or at `close`.
-    """
-
-    def __init__(self, log_dir: str, wandb_config: Optional[dict]):
-        os.makedirs(log_dir, exist_ok=True)
-        # The writer syncs its file every `max_queue` events (default 10):
-        # with a record's ~20 scalars that was two fsyncs per window. Sync
-        # every 10 s and after every epoch record instead.
-        self._writer = tf.summary.create_file_writer(
-            os.path.join(log_dir, "train"),
-            max_queue=10_000, flush_millis=10_000,
-        )
-        self._write_events = _event_writer(self._writer)
-        self._jsonl = open(os.path.join(log_dir, "metrics.jsonl"), "a")
-        self._wandb_run = None
-        if wandb_config is not None:
-            import wandb
-
-            config = dict(wandb_config)
-            config.setdefault("dir", log_dir)
-            os.makedirs(config["dir"], exist_ok=True)
-            self._wandb_run = wandb.init(**config)
-        self._queue = queue.Queue()
-        self._error = None
-        # Not a daemon: records queued when the program ends still land.
-        self._thread = threading.Thread(
-            target=self._run, name="DistributedLogger")
-        self._thread.start()
-
-    def submit(self, record: dict) -> None:
-        self._raise_error()
-        self._queue.put(record)
-
-    def close(self) -> None:
-        """Writes every queued record, then closes the outputs."""
-        self._queue.put(None)
-        self._thread.join()
-        self._writer.close()
-        self._jsonl.close()
-        if self._wandb_run is not None:
-            self._wandb_run.finish()
-        self._raise_error()
-
-    def _raise_error(self) -> None:
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise RuntimeError(
-                "DistributedLogger could not write its records"
-            ) from error
-
-    def _run(self) -> None:
-        done = False
-        while not done:
-            try:
-                records = [self._queue.get(timeout=0.5)]
-            except queue.Empty:
-                if threading.main_thread().is_alive():
-                    continue
-                # `fit` died without `on_train_end` and the program is
-                # exiting: write what is queued, then let it exit.
-                records = [None]
-            while not self._queue.empty():
-                records.append(self._queue.get())
-            done = None in records
-            records = [r for r in records if r is not None]
-            if records and self._error is None:
-                try:
-                    self._write(records)
-                except Exception as error:  # raised on the training thread
-                    self._error = error
-        self._jsonl.flush()
-        self._writer.flush()
-
-    def _write(self, records: list) -> None:
-        self._jsonl.write("".join(json.dumps(r) + "\n" for r in records))
-        scalars = [_scalars(r) for r in records]
-        # Epoch scalars are stepped by epoch, as Keras's TensorBoard does.
-        self._write_events(
-            tf.constant([_summary_proto(r["kind"], s)
-                         for r, s in zip(records, scalars)]),
-            tf.constant([r["epoch"] if r["kind"] == "epoch" else r["step"]
-                         for r in records], tf.int64),
-        )
-        if any(r["kind"] == "epoch" for r in records):
-            self._jsonl.flush()
-            self._writer.flush()
-        if self._wandb_run is not None:
-            for record, values in zip(records, scalars):
-                self._wandb_run.log(
-                    {f"{record['kind']}/{tag}": v
-                     for tag, v in values.items()},
-                    step=record["step"],
-                )
-
-
-def _event_writer(writer):
-    """One compiled call writes a batch of serialized `Summary` protos, each
-    at its own step: one dispatch for any number of records."""
-
-    @tf.function(input_signature=(
-        tf.TensorSpec([None], tf.string),
-        tf.TensorSpec([None], tf.int64),
-    ))
-    def write(serialized, steps):
-        with writer.as_default():
-            for i in tf.range(tf.size(steps)):
-                tf.summary.experimental.write_raw_pb(
-                    serialized[i], step=steps[i])
-
-    return write
 
 
 def _validate(log_dir, update_freq, batch_size, wandb, profile_steps) -> None:
@@ -677,106 +543,54 @@ def _floats(values) -> dict:
     return out
 
 
-def _local_variable() -> tf.Variable:
-    """A float64 zero that is this process's own, even inside a strategy
-    scope: scopes are per thread, so it is created on a fresh one. (A
-    mirrored copy would need a collective to create under
-    MultiWorkerMirroredStrategy, and each worker times its own input.)"""
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(
-            tf.Variable, 0.0, dtype=tf.float64, trainable=False
-        ).result()
-
-
-def _make_reader(model, seconds_waited):
-    """A `tf.function` returning every value a window record reads."""
-    optimizer = model.optimizer
+def _read_values(model, runtime) -> dict:
+    """The tensors a record reads (traced into the logger's reader)."""
+    optimizer = getattr(model, "optimizer", None)
     loss_scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
-    count = compat.examples_count(model)
-    micro = getattr(model, "_micro_step", None)
-    norm = getattr(model, "_grad_norm", None)
-    if getattr(model, "micro_step", None) is None:
-        micro = norm = None
-
-    def learning_rate():
-        try:
-            # Through LossScaleOptimizer; a schedule is evaluated at the
-            # optimizer's iterations.
-            return tf.convert_to_tensor(optimizer.learning_rate)
-        except (AttributeError, TypeError, ValueError):
-            return None
+    window = getattr(model, "window_variables", None) or {}
 
     def tensor(variable):
         return None if variable is None else tf.identity(
             keras.ops.convert_to_tensor(variable))
 
-    @tf.function(autograph=False)
-    def read():
-        return {
-            "metrics": model.get_metrics_result(),
-            "examples": tensor(count),
-            "iterations": tensor(optimizer.iterations) if loss_scaled else None,
-            "micro_step": tensor(micro),
-            "grad_norm": tensor(norm),
-            "learning_rate": learning_rate() if optimizer is not None else None,
-            "loss_scale": (
-                tensor(optimizer.dynamic_scale) if loss_scaled else None
-            ),
-            "input_wait": tf.identity(seconds_waited),
-        }
-
-    # The concrete function skips tf.function's per-call signature matching.
-    return read.get_concrete_function()
+    return {
+        "metrics": _metrics_result(model),
+        "counters": {key: tensor(v)
+                     for key, v in runtime.counter_variables().items()},
+        "grad_norm": tensor(window.get("grad_norm")),
+        "learning_rate": (
+            None if optimizer is None else _learning_rate_tensor(optimizer)),
+        "loss_scale": (
+            tensor(optimizer.dynamic_scale) if loss_scaled else None),
+    }
 
 
-def _summary_proto(kind: str, scalars: dict) -> bytes:
-    """A serialized `Summary` holding TensorBoard scalars, as `tf.summary.scalar`
-    writes them (float32 tensors tagged for the scalars plugin)."""
-    from tensorboard.compat.proto import summary_pb2
-    from tensorboard.plugins.scalar import metadata as scalar_metadata
+def _metrics_result(model) -> dict:
+    """`model.get_metrics_result()` without the metrics nothing has updated
+    yet (a hand-written loop), whose `result()` would raise."""
+    out = {}
+    for metric in getattr(model, "metrics", []):
+        if not getattr(metric, "built", True):
+            continue
+        result = metric.result()
+        if isinstance(result, dict):
+            out.update(result)
+        else:
+            out[metric.name] = result
+    return out
 
-    metadata = scalar_metadata.create_summary_metadata(
-        display_name=None, description=None)
-    summary = summary_pb2.Summary()
-    for tag, value in scalars.items():
-        entry = summary.value.add(tag=f"{kind}/{tag}")
-        entry.metadata.CopyFrom(metadata)
-        entry.tensor.dtype = 1  # DT_FLOAT
-        entry.tensor.float_val.append(value)
-    return summary.SerializeToString()
+
+def _learning_rate_tensor(optimizer):
+    try:
+        # Through LossScaleOptimizer; a schedule is evaluated at the
+        # optimizer's iterations.
+        return tf.convert_to_tensor(optimizer.learning_rate)
+    except (AttributeError, TypeError, ValueError):
+        return None
 
 
 def _scalar(value, kind):
     return None if value is None else kind(np.asarray(value))
-
-
-def _accumulation(model) -> tuple[Optional[int], Optional[float]]:
-    """(`micro_step`, `grad_norm`) of a GradientAccumulationModel, else Nones."""
-    micro = getattr(model, "micro_step", None)
-    if micro is None:
-        return None, None
-    return int(micro), model.grad_norm
-
-
-def _expected_updates(model, steps, micro_start, micro_end, final) -> int:
-    """Optimizer updates the batches of a record should have made."""
-    if micro_start is None:
-        return steps
-    done, rest = divmod(micro_start + steps - micro_end, model.accum_steps)
-    # At epoch end the partial window is applied (counted), dropped or
-    # carried (then `micro_end` already holds it).
-    if final and rest and model.partial_window == "apply":
-        done += 1
-    return done
-
-
-def _learning_rate(optimizer) -> Optional[float]:
-    try:
-        # The property goes through LossScaleOptimizer and evaluates a
-        # schedule at the optimizer's iterations.
-        return float(np.asarray(optimizer.learning_rate))
-    except (AttributeError, TypeError, ValueError):
-        return None
 
 
 def _memory(num_gpus: int, reset: bool) -> dict:
@@ -841,24 +655,11 @@ def _across_workers(rows: np.ndarray) -> dict:
     }
 
 
-def _record(kind, epoch, step, measured, common, metrics) -> dict:
+def _record(kind, epoch, step, measured, common, metrics, resume=None) -> dict:
     values = {**measured, **common, "kind": kind, "epoch": epoch,
-              "step": step, "time": time.time(), "metrics": metrics}
+              "step": step, "time": time.time(), "metrics": metrics,
+              "resume": resume}
     return {key: values.get(key) for key in JSONL_KEYS}
-
-
-def _scalars(record: dict, prefix: str = "") -> dict:
-    """The numeric leaves of a record, keyed by their path."""
-    out = {}
-    for key, value in record.items():
-        if key in ("kind", "epoch", "step", "time"):
-            continue
-        tag = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(_scalars(value, f"{tag}/"))
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            out[tag] = float(value)
-    return out
 
 
 def _console_line(record: dict) -> str:
