@@ -3,6 +3,8 @@
 import json
 import os
 import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -322,3 +324,143 @@ def test_presets():
 def test_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         BackupAndRestore("/tmp/x", **kwargs)
+
+
+def test_pruning_and_cleanup_never_follow_links(tmp_path):
+    """A `gen-*` link (a warm start pointing at an older run's generation)
+    and a `.tmp-*` link in backup_dir: their targets survive every prune
+    and the final cleanup; only the links go."""
+    older = tmp_path / "older_run" / "gen-00000007"
+    older.mkdir(parents=True)
+    (older / "weights.weights.h5").write_bytes(b"the older run's only backup")
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    (scratch / "keep.txt").write_text("not backup_dir's")
+    backup_dir = tmp_path / "backup"
+    backup_dir.mkdir()
+    os.symlink(older, backup_dir / "gen-00000001")
+    os.symlink(scratch, backup_dir / ".tmp-1-0123abcd")
+
+    x, y = workers.regression_data(64)
+    model = workers.build_mlp()
+    model.compile("sgd", "mse")
+    backup = BackupAndRestore(str(backup_dir), save_freq=1, keep=1,
+                              delete_on_success=False,
+                              restart_if_unusable=True)
+    with pytest.warns(UserWarning, match="Every backup generation .* "
+                      "unusable: generation 1 "):
+        model.fit(x, y, batch_size=16, epochs=2, verbose=0,
+                  callbacks=[backup])
+    assert (older / "weights.weights.h5").read_bytes() == (
+        b"the older run's only backup")
+    assert (scratch / "keep.txt").read_text() == "not backup_dir's"
+    assert not any(p.is_symlink() for p in backup_dir.iterdir())
+    assert backup_and_restore._generations(str(backup_dir)) == [9]
+
+    # The next run resumes from generation 9, finishes, and deletes its
+    # backups: the link among them goes, its target stays.
+    os.symlink(older, backup_dir / "gen-00000002")
+    model.fit(x, y, batch_size=16, epochs=3, verbose=0,
+              callbacks=[BackupAndRestore(str(backup_dir), save_freq=1)])
+    assert int(model.optimizer.iterations.numpy()) == 12
+    assert not backup_dir.exists()
+    assert (older / "weights.weights.h5").exists()
+
+
+_FIT_RAISES_THEN_SIGTERM = r"""
+import os, signal, sys
+import numpy as np, keras
+from keras_mgpu.callbacks import BackupAndRestore
+
+model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+model.compile("sgd", "mse")
+crash = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: 1 / 0)
+backup = BackupAndRestore(sys.argv[1], save_on_sigterm=True)
+try:
+    model.fit(np.ones((8, 2)), np.ones((8, 1)), verbose=0,
+              callbacks=[backup, crash])
+except ZeroDivisionError:
+    print("fit raised", flush=True)
+os.kill(os.getpid(), signal.SIGTERM)
+print("still alive", flush=True)
+"""
+
+
+def test_sigterm_after_a_failed_fit_terminates_the_process(tmp_path):
+    """`fit` raised, so `on_train_end` never removed the SIGTERM handler: a
+    later SIGTERM still terminates the process instead of being swallowed."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="-1")
+    proc = subprocess.run(
+        [sys.executable, "-c", _FIT_RAISES_THEN_SIGTERM,
+         str(tmp_path / "backup")],
+        capture_output=True, text=True, timeout=120, env=env)
+    assert "fit raised" in proc.stdout, proc.stderr[-3000:]
+    assert proc.returncode == -signal.SIGTERM, (proc.returncode,
+                                                proc.stdout, proc.stderr[-3000:])
+
+
+def corrupt_generations(backup_dir, model, x, y):
+    """Two committed generations, then every one of them damaged."""
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[
+        BackupAndRestore(str(backup_dir), save_freq=2, delete_on_success=False)])
+    numbers = backup_and_restore._generations(str(backup_dir))
+    for number in numbers:
+        path = backup_dir / f"gen-{number:08d}" / "weights.weights.h5"
+        path.write_bytes(path.read_bytes()[:100])
+    return numbers
+
+
+def test_every_generation_unusable_is_an_error_not_a_silent_restart(tmp_path):
+    x, y = workers.regression_data(64)
+    model = workers.build_mlp()
+    model.compile("sgd", "mse")
+    backup_dir = tmp_path / "backup"
+    numbers = corrupt_generations(backup_dir, model, x, y)
+    assert numbers == [2, 1]
+    before = sorted(p.name for p in backup_dir.iterdir())
+    with pytest.warns(UserWarning, match="generation 2 .* falling back to "
+                      "generation 1"):
+        with pytest.raises(RuntimeError) as error:
+            model.fit(x, y, batch_size=16, epochs=2, verbose=0,
+                      callbacks=[BackupAndRestore(str(backup_dir))])
+    message = str(error.value)
+    assert str(backup_dir) in message
+    assert "generation 2 (weights.weights.h5 has 100 bytes" in message
+    assert "generation 1 (" in message and "restart_if_unusable=True" in message
+    assert sorted(p.name for p in backup_dir.iterdir()) == before
+
+    start = int(model.optimizer.iterations.numpy())
+    with pytest.warns(UserWarning, match="Training from the start"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0,
+                  callbacks=[BackupAndRestore(str(backup_dir),
+                                              restart_if_unusable=True)])
+    assert int(model.optimizer.iterations.numpy()) == start + 4
+
+
+def test_a_rerun_past_the_last_epoch_keeps_the_backups(tmp_path):
+    x, y = workers.regression_data(64)
+    model = workers.build_mlp()
+    model.compile("sgd", "mse")
+    backup_dir = tmp_path / "backup"
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[
+        BackupAndRestore(str(backup_dir), delete_on_success=False)])
+    saved = backup_and_restore._generations(str(backup_dir))
+    with pytest.warns(UserWarning, match=r"at epoch 2, but fit\(epochs=2\) "
+                      "ends before it: nothing is trained and the backups "
+                      "are kept"):
+        model.fit(x, y, batch_size=16, epochs=2, verbose=0,
+                  callbacks=[BackupAndRestore(str(backup_dir))])
+    assert backup_and_restore._generations(str(backup_dir)) == saved
+    assert int(model.optimizer.iterations.numpy()) == 8
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"exit_code": 256}, "exit_code must be an integer from 0 to 255"),
+    ({"exit_code": "75"}, "exit_code must be an integer"),
+    ({"delete_on_success": "false"}, "delete_on_success must be True or "
+                                     "False, got 'false'"),
+    ({"save_on_sigterm": 1}, "save_on_sigterm must be True or False"),
+])
+def test_bad_flags_and_exit_codes_are_named(tmp_path, kwargs, message):
+    with pytest.raises((TypeError, ValueError), match=message):
+        BackupAndRestore(str(tmp_path), **kwargs)

@@ -401,3 +401,32 @@ def test_timed_train_function_recognises_only_keras_train_function():
     assert timed.keras_train_function is model.train_function
     assert compat.timed_train_function(lambda iterator: None, waited) is None
     assert compat.timed_train_function(timed, waited) is None
+
+
+_FULL_DISK = r"""
+import resource, signal, sys
+import numpy as np, keras
+from keras_mgpu.callbacks import DistributedLogger
+
+model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+model.compile("sgd", "mse")
+# A disk that is full after 4 KiB: writes past it fail with EFBIG instead
+# of killing the process.
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+model.fit(np.ones((256, 2)), np.ones((256, 1)), batch_size=8, epochs=2,
+          verbose=0, callbacks=[DistributedLogger(sys.argv[1], update_freq=1,
+                                                  console=False)])
+"""
+
+
+def test_a_failed_write_names_its_cause(tmp_path):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="-1")
+    proc = subprocess.run([sys.executable, "-c", _FULL_DISK,
+                           str(tmp_path / "logs")],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 1, (proc.returncode, proc.stderr[-3000:])
+    message = [line for line in proc.stderr.splitlines()
+               if "DistributedLogger could not write its records" in line]
+    assert message, proc.stderr[-3000:]
+    assert "File too large" in message[-1], message[-1]

@@ -64,8 +64,11 @@ class Sinks:
     def _raise_error(self) -> None:
         if self._error is not None:
             error, self._error = self._error, None
+            # The cause in the message too: Keras's traceback filtering
+            # drops the chained exception.
             raise RuntimeError(
-                "DistributedLogger could not write its records"
+                f"DistributedLogger could not write its records: "
+                f"{type(error).__name__}: {error}"
             ) from error
 
     def _run(self) -> None:

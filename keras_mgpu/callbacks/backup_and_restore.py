@@ -125,6 +125,11 @@ class BackupAndRestore(keras.callbacks.Callback):
             to rerun.
         delete_on_success: Defaults to `True`: a run that finishes deletes
             its generations.
+        restart_if_unusable: Defaults to `False`: if `backup_dir` holds
+            generations and every one is unusable (truncated, corrupt,
+            incomplete), raise an error naming them instead of training
+            from the start. `True`: warn, leave them, and train from the
+            start.
 
     Example:
 
@@ -148,6 +153,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         save_on_sigterm: bool = False,
         exit_code: int = RESTART_EXIT_CODE,
         delete_on_success: bool = True,
+        *,
+        restart_if_unusable: bool = False,
     ):
         super().__init__()
         if not is_nonempty_path(backup_dir):
@@ -164,12 +171,28 @@ class BackupAndRestore(keras.callbacks.Callback):
                 f"keep must be a positive integer, got {keep!r}: the newest "
                 "generation is always kept."
             )
+        flags = {"save_on_sigterm": save_on_sigterm,
+                 "delete_on_success": delete_on_success,
+                 "restart_if_unusable": restart_if_unusable}
+        for name, value in flags.items():
+            if not isinstance(value, bool):
+                raise TypeError(
+                    f"{name} must be True or False, got {value!r} (a "
+                    "non-empty string such as 'false' would count as True)."
+                )
+        if (not isinstance(exit_code, int) or isinstance(exit_code, bool)
+                or not 0 <= exit_code <= 255):
+            raise ValueError(
+                f"exit_code must be an integer from 0 to 255 (a process exit "
+                f"status; 256 would exit 0), got {exit_code!r}."
+            )
         self.backup_dir = str(backup_dir).rstrip("/")
         self.save_freq = save_freq
         self.keep = keep
-        self.save_on_sigterm = bool(save_on_sigterm)
-        self.exit_code = int(exit_code)
-        self.delete_on_success = bool(delete_on_success)
+        self.save_on_sigterm = save_on_sigterm
+        self.exit_code = exit_code
+        self.delete_on_success = delete_on_success
+        self.restart_if_unusable = restart_if_unusable
         self._sigterm = threading.Event()
         self._previous_handler = None
 
@@ -206,6 +229,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._pending_callback_state = None
         self._save_at_epoch_end = False
         self._epoch_end_save = None
+        self._keep_backups = False
         if self._chief:
             _check_writable(self.backup_dir)
         self._restore()
@@ -276,13 +300,13 @@ class BackupAndRestore(keras.callbacks.Callback):
         if not self.delete_on_success:
             self._save_pending_epoch_end()
         compat.set_initial_epoch(self.model, None)
-        if self.delete_on_success and self._chief:
+        if self.delete_on_success and self._chief and not self._keep_backups:
             for name in _entries(self.backup_dir):
                 if name.startswith((_GENERATION_PREFIX, _TMP_PREFIX)):
-                    tf.io.gfile.rmtree(_join(self.backup_dir, name))
-            if tf.io.gfile.exists(self.backup_dir) and not _entries(
-                self.backup_dir
-            ):
+                    _remove(_join(self.backup_dir, name))
+            if (tf.io.gfile.exists(self.backup_dir)
+                    and not _is_link(self.backup_dir)
+                    and not _entries(self.backup_dir)):
                 tf.io.gfile.rmtree(self.backup_dir)
 
     # --- saving -------------------------------------------------------------
@@ -350,32 +374,38 @@ class BackupAndRestore(keras.callbacks.Callback):
         ):
             # Older generations past `keep`, and uncommitted leftovers of
             # killed saves; never the one just committed.
-            tf.io.gfile.rmtree(_generation_dir(self.backup_dir, old))
+            _remove(_generation_dir(self.backup_dir, old))
         return number
 
     # --- restoring ----------------------------------------------------------
 
     def _restore(self) -> None:
         chosen, state, files = None, None, None
+        unusable = []
         if tf.io.gfile.exists(self.backup_dir):
             if self._chief:
                 _remove_stale_tmp(self.backup_dir)
-            for number in _generations(self.backup_dir):
+            numbers = _generations(self.backup_dir)
+            for i, number in enumerate(numbers):
                 try:
                     state, files = _read_generation(self.backup_dir, number)
                 except _CorruptGeneration as e:
-                    warnings.warn(
-                        f"BackupAndRestore: generation {number} in "
-                        f"{self.backup_dir} is unusable ({e}); falling back "
-                        "to the previous one.",
-                        stacklevel=2,
-                    )
+                    unusable.append(f"generation {number} ({e})")
+                    if i + 1 < len(numbers):
+                        warnings.warn(
+                            f"BackupAndRestore: generation {number} in "
+                            f"{self.backup_dir} is unusable ({e}); falling "
+                            f"back to generation {numbers[i + 1]}.",
+                            stacklevel=2,
+                        )
                     continue
                 chosen = number
                 break
         if self._multi_worker:
             self._check_same_generation(chosen or 0)
         if chosen is None:
+            if unusable:
+                self._all_unusable(unusable)
             return
         self._check_compatible(state, chosen)
         model = self.model
@@ -397,12 +427,39 @@ class BackupAndRestore(keras.callbacks.Callback):
                     variable.assign(extra[f"arr_{i}"])
         finally:
             shutil.rmtree(local, ignore_errors=True)
+        epochs = (self.params or {}).get("epochs")
+        if epochs is not None and state["epoch"] >= epochs:
+            # fit would train nothing, and then delete the only record of
+            # the run as if it had finished.
+            self._keep_backups = True
+            warnings.warn(
+                f"BackupAndRestore: the backup in {self.backup_dir} "
+                f"(generation {chosen}) is at epoch {state['epoch']}, but "
+                f"fit(epochs={epochs}) ends before it: nothing is trained and "
+                "the backups are kept. Raise epochs to continue that run, or "
+                "use a new backup_dir to start another.",
+                stacklevel=3,
+            )
         compat.set_initial_epoch(model, state["epoch"])
         self._runtime.resume(state["runtime"], generation=chosen,
                              epoch=state["epoch"],
                              step_in_epoch=state["step_in_epoch"])
         self._last_saved_step = self._runtime.global_step
         self._pending_callback_state = state["callbacks"]
+
+    def _all_unusable(self, unusable: list) -> None:
+        message = (
+            f"Every backup generation in {self.backup_dir} is unusable: "
+            f"{'; '.join(unusable)}."
+        )
+        if not self.restart_if_unusable:
+            raise RuntimeError(
+                f"{message} Nothing was restored and nothing was deleted. To "
+                "train from the start, pass restart_if_unusable=True or use a "
+                "new backup_dir."
+            )
+        warnings.warn(f"BackupAndRestore: {message} Training from the start "
+                      "(restart_if_unusable=True).", stacklevel=3)
 
     def _check_compatible(self, state: dict, number: int) -> None:
         where = f"generation {number} in {self.backup_dir}"
@@ -444,9 +501,24 @@ class BackupAndRestore(keras.callbacks.Callback):
             )
             return
         self._sigterm.clear()
-        self._previous_handler = signal.signal(
-            signal.SIGTERM, lambda signum, frame: self._sigterm.set()
-        )
+        previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        # None: a handler set outside Python; the default is what it did.
+        self._previous_handler = (
+            signal.SIG_DFL if previous is None else previous)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        if _inside_fit(frame, self.model):
+            self._sigterm.set()  # saved and acted on at the batch's end
+            return
+        # `fit` raised, so `on_train_end` never put the old handler back:
+        # do it now, and let that handler (default: terminate) have the
+        # signal, rather than ignore it forever.
+        previous = self._previous_handler
+        self._uninstall_sigterm_handler()
+        if callable(previous):
+            previous(signum, frame)
+        elif previous != signal.SIG_IGN:
+            signal.raise_signal(signum)
 
     def _uninstall_sigterm_handler(self) -> None:
         if self._previous_handler is not None:
@@ -460,6 +532,17 @@ class BackupAndRestore(keras.callbacks.Callback):
         # All workers must save together (saving is a collective), so one
         # worker's notice stops them all at the same batch.
         return _sum_over_workers(self._strategy, mine) > 0
+
+
+def _inside_fit(frame, model) -> bool:
+    """Whether `frame` (where a signal interrupted the main thread) runs
+    inside `model.fit`."""
+    while frame is not None:
+        if (frame.f_code.co_name == "fit"
+                and frame.f_locals.get("self") is model):
+            return True
+        frame = frame.f_back
+    return False
 
 
 class _CorruptGeneration(Exception):
@@ -486,6 +569,20 @@ def _entries(directory: str) -> list:
     return [name.rstrip("/") for name in tf.io.gfile.listdir(directory)]
 
 
+def _is_link(path: str) -> bool:
+    # Only local paths can be links; "scheme://" ones are never.
+    return "://" not in path and os.path.islink(path)
+
+
+def _remove(path: str) -> None:
+    """Deletes an entry of backup_dir, never what a link points to (a
+    recursive delete through a link empties its target, outside backup_dir)."""
+    if _is_link(path):
+        os.remove(path)
+    else:
+        tf.io.gfile.rmtree(path)
+
+
 def _generation_dir(directory: str, number: int) -> str:
     return _join(directory, f"{_GENERATION_PREFIX}{number:08d}")
 
@@ -504,7 +601,7 @@ def _remove_stale_tmp(directory: str) -> None:
     # Left by a save that was killed before its rename.
     for name in _entries(directory):
         if name.startswith(_TMP_PREFIX):
-            tf.io.gfile.rmtree(_join(directory, name))
+            _remove(_join(directory, name))
 
 
 def _read_generation(directory: str, number: int):
