@@ -25,12 +25,13 @@ def train(backup_dir, preset="preemptible", save_freq=4, accum_steps=None,
     write = backup_and_restore._write_file
 
     def slow_write(path, data):
-        # Holds a save after its weights file until the test, seeing the
-        # marker, kills the process: the kill lands inside the generation.
+        # Holds a save after its weights and variables files until the
+        # test, seeing the marker, kills the process: the kill lands inside
+        # the generation.
         write(path, data)
         name = path.rsplit('/', 1)[-1]
         print(f"WROTE {name};", flush=True)
-        if name == "weights.weights.h5":
+        if name == "variables.npz":
             workers.hold_until_killed()
 
     keras.utils.set_random_seed(0)

@@ -114,7 +114,7 @@ def test_kill_during_a_save_falls_back_to_the_last_commit(
         backup_workers.train, 1,
         kwargs={"backup_dir": str(backup_dir), "slow_save_after": 10,
                 **kwargs},
-        kill_when_printed="WROTE weights.weights.h5;")
+        kill_when_printed="WROTE variables.npz;")
     assert results[0].killed
     entries = os.listdir(backup_dir)
     assert any(e.startswith(".tmp-") for e in entries), entries
@@ -464,3 +464,72 @@ def test_a_rerun_past_the_last_epoch_keeps_the_backups(tmp_path):
 def test_bad_flags_and_exit_codes_are_named(tmp_path, kwargs, message):
     with pytest.raises((TypeError, ValueError), match=message):
         BackupAndRestore(str(tmp_path), **kwargs)
+
+
+def test_saves_and_restores_without_a_usable_tmpdir(tmp_path, monkeypatch):
+    """Generations are staged in backup_dir itself: a TMPDIR that cannot
+    hold a directory does not matter."""
+    import tempfile
+
+    not_a_dir = tmp_path / "tmpdir-is-a-file"
+    not_a_dir.write_text("")
+    monkeypatch.setattr(tempfile, "tempdir", str(not_a_dir))
+    with pytest.raises(OSError):
+        tempfile.mkdtemp()  # the fault is real
+    full, _ = fit_in_process(BackupAndRestore(str(tmp_path / "full")))
+    backup_dir = str(tmp_path / "backup")
+    fit_in_process(BackupAndRestore(backup_dir, save_freq=4), crash_at=13)
+    assert backup_and_restore._generations(backup_dir)
+    resumed, _ = fit_in_process(BackupAndRestore(backup_dir, save_freq=4))
+    assert int(resumed.optimizer.iterations.numpy()) == 24
+    assert max_diff(resumed.get_weights(), full.get_weights()) <= 1e-6
+
+
+_FULL_BACKUP_DIR = r"""
+import resource, signal, sys
+import numpy as np, keras
+from keras_mgpu.callbacks import BackupAndRestore
+from tests import workers
+
+model = workers.build_mlp()
+model.compile("sgd", "mse")
+x, y = workers.regression_data(64)
+if sys.argv[2] == "full":
+    # No file may grow past 4 KiB (a weights file is bigger): writes fail
+    # with EFBIG, as on a full disk, instead of killing the process.
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+model.fit(x, y, batch_size=16, epochs=int(sys.argv[3]), verbose=0,
+          callbacks=[BackupAndRestore(sys.argv[1], save_freq=2,
+                                      delete_on_success=False)])
+print("finished", flush=True)
+"""
+
+
+def test_a_save_to_a_full_backup_dir_stops_clearly_and_keeps_the_last(
+        tmp_path):
+    backup_dir = tmp_path / "backup"
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="-1")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def run_script(disk, epochs):
+        return subprocess.run(
+            [sys.executable, "-c", _FULL_BACKUP_DIR, str(backup_dir), disk,
+             str(epochs)], capture_output=True, text=True, timeout=120,
+            env=env, cwd=repo)
+
+    first = run_script("roomy", 1)
+    assert "finished" in first.stdout, first.stderr[-3000:]
+    saved = backup_and_restore._generations(str(backup_dir))
+    assert saved == [2, 1]
+    for attempt in range(2):  # a restart fails the same way, and says so
+        failed = run_script("full", 2)
+        assert failed.returncode == 1, failed.stderr[-3000:]
+        assert ("BackupAndRestore could not write generation 3 to "
+                f"{backup_dir}/.tmp-3-") in failed.stderr
+        assert "File too large" in failed.stderr
+        assert "Generation 2 is intact" in failed.stderr
+        assert backup_and_restore._generations(str(backup_dir)) == saved
+        assert not [p for p in os.listdir(backup_dir) if p.startswith(".tmp")]
+    finished = run_script("roomy", 2)
+    assert "finished" in finished.stdout, finished.stderr[-3000:]

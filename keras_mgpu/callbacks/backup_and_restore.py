@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -87,12 +88,23 @@ class BackupAndRestore(keras.callbacks.Callback):
     the state of `EarlyStopping`, `ModelCheckpoint` and `ReduceLROnPlateau`
     callbacks in the same `fit` call.
 
-    Each save writes a complete generation to a temporary directory, writes
-    its manifest (sizes and SHA-256 checksums) last, and renames it into
-    place. The last `keep` generations are kept. A restore verifies the
-    newest generation and falls back to the previous one, with a warning, if
-    it is truncated, corrupt or incomplete. Paths go through `tf.io.gfile`,
+    Each save writes a complete generation to a `.tmp-*` directory inside
+    `backup_dir` (TMPDIR is not needed; a URL `backup_dir` stages only the
+    weights file locally), moves its files into place and writes its
+    manifest (sizes and SHA-256 checksums) last. The last `keep` generations
+    are kept; pruning deletes links, never what they point to. A restore
+    verifies the newest generation and falls back to the previous one, with
+    a warning, if it is truncated, corrupt or incomplete; if every one is,
+    it raises (see `restart_if_unusable`). Paths go through `tf.io.gfile`,
     so `gs://` and other TensorFlow filesystems work.
+
+    A save that cannot be written (a full disk, a file-size limit, an
+    unwritable `backup_dir`) stops training with a `RuntimeError` naming
+    the path and the cause; the previous generation stays intact and a
+    rerun resumes from it (and fails the same way, with the same message,
+    until there is room). Before writing to a local `backup_dir` it checks
+    the free space and the file-size limit against the last generation's
+    size, since HDF5 can crash the process when a write fails mid-file.
 
     The run's counters (`keras_mgpu.runtime`: global step, samples seen,
     resume history) are saved with each generation and continue after a
@@ -314,16 +326,28 @@ class BackupAndRestore(keras.callbacks.Callback):
     def _save(self, epoch: int, step_in_epoch: int) -> Optional[int]:
         """Writes one generation; returns its number (None off the chief)."""
         self._last_saved_step = self._runtime.global_step
-        local = tempfile.mkdtemp(prefix="keras_mgpu_backup_")
+        if not self._chief:
+            # Every worker reads every variable, in the chief's order:
+            # replica-local ones (metrics, accumulators) are all-reduced on
+            # read. Only the chief keeps what it read.
+            local = tempfile.mkdtemp(prefix="keras_mgpu_backup_")
+            try:
+                self.model.save_weights(os.path.join(local, _WEIGHTS))
+                self._read_unsaved_and_state()
+            finally:
+                shutil.rmtree(local, ignore_errors=True)
+            return None
+        existing = _generations(self.backup_dir)
+        number = (existing[0] + 1) if existing else 1
+        tmp = _join(self.backup_dir, f"{_TMP_PREFIX}{number}-{uuid.uuid4().hex}")
         try:
-            # Every worker reads every variable: replica-local ones (metrics,
-            # accumulators) are all-reduced on read.
-            weights_path = os.path.join(local, _WEIGHTS)
-            self.model.save_weights(weights_path)
-            extra = [np.asarray(v.numpy()) for v in _unsaved_variables(self.model)]
-            runtime_state = self._runtime.state()
-            if not self._chief:
-                return None
+            if _is_local(self.backup_dir):
+                # HDF5 can crash the process (SIGSEGV) when a write fails
+                # mid-file: refuse before writing instead.
+                _check_room(self.backup_dir, self._expected_size(existing))
+            tf.io.gfile.makedirs(tmp)
+            files = {_WEIGHTS: self._write_weights(tmp)}
+            extra, runtime_state = self._read_unsaved_and_state()
             state = {
                 "format": FORMAT_VERSION,
                 "keras_mgpu_version": _version(),
@@ -334,33 +358,79 @@ class BackupAndRestore(keras.callbacks.Callback):
                 "callbacks": _get_callback_state(self._siblings),
                 "time": time.time(),
             }
-            with open(os.path.join(local, _STATE), "w") as f:
-                json.dump(state, f, allow_nan=True)
-            np.savez(os.path.join(local, _EXTRA), *extra)
-            return self._commit(local)
+            buffer = io.BytesIO()
+            np.savez(buffer, *extra)
+            files[_EXTRA] = buffer.getvalue()
+            files[_STATE] = json.dumps(state, allow_nan=True).encode()
+            for name in (_EXTRA, _STATE):
+                _write_file(_join(tmp, name), files[name])
+            self._commit(tmp, number, files)
+        except (OSError, tf.errors.OpError) as e:
+            _remove_quietly(tmp)
+            previous = (
+                f"Generation {existing[0]} is intact: make room in (or fix) "
+                "backup_dir and rerun, and the run resumes from it."
+                if existing else "No earlier generation exists."
+            )
+            raise RuntimeError(
+                f"BackupAndRestore could not write generation {number} to "
+                f"{tmp} ({type(e).__name__}: {e}). Training stops. {previous}"
+            ) from e
+        return number
+
+    def _expected_size(self, existing: list) -> int:
+        """Bytes the next generation needs: the last one's, else the
+        variables' own size, plus room for the file structure."""
+        if existing:
+            try:
+                return sum(
+                    tf.io.gfile.stat(_join(
+                        _generation_dir(self.backup_dir, existing[0]),
+                        name)).length
+                    for name in (_WEIGHTS, _EXTRA, _STATE))
+            except tf.errors.OpError:
+                pass
+        return 65536 + sum(
+            int(np.prod(v.shape)) * np.dtype(
+                keras.backend.standardize_dtype(v.dtype)).itemsize
+            for v in self.model.variables)
+
+    def _write_weights(self, tmp: str) -> bytes:
+        """Saves the weights into the generation being written (through a
+        local file for a URL backup_dir: h5 files need one); their bytes."""
+        if _is_local(self.backup_dir):
+            # Staged in backup_dir itself: no dependence on TMPDIR.
+            path = _join(tmp, _WEIGHTS)
+            self.model.save_weights(path)
+            return _read_file(path)
+        local = tempfile.mkdtemp(prefix="keras_mgpu_backup_")
+        try:
+            self.model.save_weights(os.path.join(local, _WEIGHTS))
+            with open(os.path.join(local, _WEIGHTS), "rb") as f:
+                data = f.read()
         finally:
             shutil.rmtree(local, ignore_errors=True)
+        _write_file(_join(tmp, _WEIGHTS), data)
+        return data
 
-    def _commit(self, local_dir: str) -> int:
-        existing = _generations(self.backup_dir)
-        number = (existing[0] + 1) if existing else 1
-        tmp = _join(self.backup_dir, f"{_TMP_PREFIX}{number}-{uuid.uuid4().hex}")
+    def _read_unsaved_and_state(self):
+        # Collectives under MultiWorkerMirroredStrategy, as save_weights is:
+        # every worker makes them, in this order.
+        extra = [np.asarray(v.numpy()) for v in _unsaved_variables(self.model)]
+        return extra, self._runtime.state()
+
+    def _commit(self, tmp: str, number: int, files: dict) -> None:
+        manifest = {"generation": number, "files": {
+            name: {"size": len(data),
+                   "sha256": hashlib.sha256(data).hexdigest()}
+            for name, data in files.items()
+        }}
         final = _generation_dir(self.backup_dir, number)
-        tf.io.gfile.makedirs(tmp)
-        manifest = {"generation": number, "files": {}}
-        for name in (_WEIGHTS, _EXTRA, _STATE):
-            with open(os.path.join(local_dir, name), "rb") as f:
-                data = f.read()
-            _write_file(_join(tmp, name), data)
-            manifest["files"][name] = {
-                "size": len(data),
-                "sha256": hashlib.sha256(data).hexdigest(),
-            }
         # Complete files move in; the manifest, written last, is the commit
         # marker. Files, not the directory, are renamed: some TensorFlow
         # filesystems (ram://, object stores) do not rename directories.
         tf.io.gfile.makedirs(final)
-        for name in manifest["files"]:
+        for name in files:
             tf.io.gfile.rename(_join(tmp, name), _join(final, name))
         _write_file(_join(final, _MANIFEST), json.dumps(manifest).encode())
         tf.io.gfile.rmtree(tmp)
@@ -375,7 +445,6 @@ class BackupAndRestore(keras.callbacks.Callback):
             # Older generations past `keep`, and uncommitted leftovers of
             # killed saves; never the one just committed.
             _remove(_generation_dir(self.backup_dir, old))
-        return number
 
     # --- restoring ----------------------------------------------------------
 
@@ -416,17 +485,21 @@ class BackupAndRestore(keras.callbacks.Callback):
             )
         if model.optimizer is not None and not model.optimizer.built:
             model.optimizer.build(model.trainable_variables)
-        local = tempfile.mkdtemp(prefix="keras_mgpu_restore_")
-        try:
-            for name, data in files.items():
-                with open(os.path.join(local, name), "wb") as f:
-                    f.write(data)
-            model.load_weights(os.path.join(local, _WEIGHTS))
-            with np.load(os.path.join(local, _EXTRA)) as extra:
-                for i, variable in enumerate(_unsaved_variables(model)):
-                    variable.assign(extra[f"arr_{i}"])
-        finally:
-            shutil.rmtree(local, ignore_errors=True)
+        if _is_local(self.backup_dir):
+            # Read where it lies (verified above): no TMPDIR needed.
+            model.load_weights(_join(_generation_dir(self.backup_dir, chosen),
+                                     _WEIGHTS))
+        else:
+            local = tempfile.mkdtemp(prefix="keras_mgpu_restore_")
+            try:
+                with open(os.path.join(local, _WEIGHTS), "wb") as f:
+                    f.write(files[_WEIGHTS])
+                model.load_weights(os.path.join(local, _WEIGHTS))
+            finally:
+                shutil.rmtree(local, ignore_errors=True)
+        with np.load(io.BytesIO(files[_EXTRA])) as extra:
+            for i, variable in enumerate(_unsaved_variables(model)):
+                variable.assign(extra[f"arr_{i}"])
         epochs = (self.params or {}).get("epochs")
         if epochs is not None and state["epoch"] >= epochs:
             # fit would train nothing, and then delete the only record of
@@ -569,9 +642,42 @@ def _entries(directory: str) -> list:
     return [name.rstrip("/") for name in tf.io.gfile.listdir(directory)]
 
 
+def _is_local(path: str) -> bool:
+    return "://" not in path
+
+
 def _is_link(path: str) -> bool:
     # Only local paths can be links; "scheme://" ones are never.
-    return "://" not in path and os.path.islink(path)
+    return _is_local(path) and os.path.islink(path)
+
+
+def _check_room(directory: str, needed: int) -> None:
+    """Raises OSError (ENOSPC or EFBIG) if a generation of `needed` bytes
+    cannot be written to `directory`."""
+    import errno
+
+    free = shutil.disk_usage(directory).free
+    if free < needed:
+        raise OSError(errno.ENOSPC, f"{free} bytes free, a generation needs "
+                      f"about {needed}")
+    try:
+        import resource
+    except ImportError:  # not on this platform
+        return
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY and limit < needed:
+        raise OSError(errno.EFBIG, f"File too large: this process may not "
+                      f"write files over {limit} bytes (ulimit -f), a "
+                      f"generation needs about {needed}")
+
+
+def _remove_quietly(path: str) -> None:
+    # Cleaning up after a failed write, which may fail the same way.
+    try:
+        if tf.io.gfile.exists(path):
+            tf.io.gfile.rmtree(path)
+    except (OSError, tf.errors.OpError):
+        pass
 
 
 def _remove(path: str) -> None:
