@@ -11,6 +11,8 @@ from keras_mgpu._checks import is_positive_int
 from keras_mgpu import compat
 
 PARTIAL_WINDOW_MODES = ("apply", "carry", "drop")
+# The loss scale never drops below this under GradientAccumulationModel.
+MIN_LOSS_SCALE = 1.0
 
 
 @keras.saving.register_keras_serializable(package="keras_mgpu")
@@ -35,7 +37,9 @@ class GradientAccumulationModel(keras.Model):
     Under `mixed_float16` (a `LossScaleOptimizer`), the finite check is made
     on the all-reduced window gradient, so every replica agrees; a window with
     an overflow is dropped whole, its accumulators are reset, and the loss
-    scale is updated once per window. `mixed_bfloat16` needs no loss scale.
+    scale is updated once per window, and never drops below
+    `MIN_LOSS_SCALE` (1.0): overflowing windows go on being skipped, and the
+    weights stay finite. `mixed_bfloat16` needs no loss scale.
 
     The accumulators, the sample count and the micro-step counter are
     variables of this model, so `save_weights`, `model.save` and checkpoints
@@ -375,7 +379,7 @@ class GradientAccumulationModel(keras.Model):
                         compat.loss_scale_apply,
                         args=(optimizer, grads, variables),
                     ),
-                    lambda: compat.loss_scale_skip(optimizer),
+                    lambda: self._skip_window(optimizer),
                 )
             else:
                 strategy.extended.call_for_each_replica(
@@ -386,6 +390,16 @@ class GradientAccumulationModel(keras.Model):
         self._updated.assign(1)
         if sums is None:
             self._reset_window()
+
+    @staticmethod
+    def _skip_window(optimizer):
+        compat.loss_scale_skip(optimizer)
+        # Halved on every overflowing window, the scale would reach 0 after
+        # about 150 in a row, and the next finite window would divide its
+        # zero gradient by it: NaN weights. A scale below 1 cannot help
+        # (the gradient overflows unscaled), so it stops at 1.
+        optimizer.dynamic_scale.assign(
+            tf.maximum(optimizer.dynamic_scale, MIN_LOSS_SCALE))
 
     def _reset_window(self):
         for accumulator in self._accumulators:

@@ -83,3 +83,22 @@ def test_mixed_policies_track_the_float32_run(policy):
     tolerance = {"mixed_float16": 2e-3, "mixed_bfloat16": 2e-2}[policy]
     assert max_diff(weights_of(model), weights_of(reference)) < \
         tolerance * max(moved, 1.0)
+
+
+def test_the_loss_scale_stops_at_its_floor():
+    """160 overflowing windows would halve the scale from 4 to 0; the next
+    finite window would then divide a zero gradient by it (NaN weights)."""
+    import tensorflow as tf
+    from keras_mgpu.accumulation import MIN_LOSS_SCALE, GradientAccumulationModel
+
+    x, y = workers.regression_data(4 * 200)
+    y[:4 * 160] = np.nan
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(4)
+    model = GradientAccumulationModel(workers.build_mlp(), accum_steps=1)
+    model.compile(keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(0.01), initial_scale=4.0), "mse")
+    model.fit(dataset.take(160), verbose=0)
+    assert float(model.optimizer.dynamic_scale.numpy()) == MIN_LOSS_SCALE
+    model.fit(dataset.skip(160), verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 40
+    assert all(np.isfinite(w).all() for w in model.get_weights())
