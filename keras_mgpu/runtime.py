@@ -184,7 +184,7 @@ class TrainingRuntime:
         self._steps_per_call = int(getattr(self.model, "steps_per_execution", 1))
         self._epoch_steps = (params or {}).get("steps")
         if self._updates_offset is None:
-            attempted, applied = self._update_counts(self.global_step)
+            attempted, applied = self.update_counts()
             if applied is not None:
                 self._updates_offset = attempted - applied
 
@@ -311,8 +311,18 @@ class TrainingRuntime:
         )
 
     def update_counts(self) -> tuple:
-        """(attempted, applied) optimizer updates so far; two scalar reads."""
-        return self._update_counts(self.completed_steps)
+        """(attempted, applied) optimizer updates so far; two scalar reads.
+        Applied is None without an optimizer."""
+        model = self.model
+        optimizer = getattr(model, "optimizer", None)
+        # A plain model attempts one update per batch; an accumulating one
+        # counts its windows.
+        attempted = getattr(model, "update_count", None)
+        if attempted is None:
+            attempted = self.completed_steps
+        if optimizer is None:
+            return attempted, None
+        return attempted, int(optimizer.iterations.numpy())
 
     # --- saving and resuming (BackupAndRestore) ------------------------------
 
@@ -421,15 +431,6 @@ class TrainingRuntime:
         seen = compat.examples_seen(self.model)
         if seen is not None:
             self._samples_before_epoch += seen
-
-    def _update_counts(self, steps: int) -> tuple:
-        model = self.model
-        optimizer = getattr(model, "optimizer", None)
-        if optimizer is None:
-            return steps, None
-        attempted = getattr(model, "update_count", None)
-        return (steps if attempted is None else attempted,
-                int(optimizer.iterations.numpy()))
 
 
 def _int(value) -> Optional[int]:
