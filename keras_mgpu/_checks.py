@@ -1,11 +1,33 @@
 """Argument checks shared by the public modules (each keeps its own message)."""
 
+import numbers
 import os
+
+import numpy as np
 
 
 def is_positive_int(value) -> bool:
     """Whether `value` is an int >= 1 (a bool is not an int here)."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def is_integer(value) -> bool:
+    """Whether `value` is an int or a NumPy integer (a bool is not one here)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_positive_integer(value) -> bool:
+    """Like `is_positive_int`, but a NumPy integer counts too.
+
+    For arguments that are only counted with (convert them with `int()`);
+    `is_positive_int` stays strict where the value is stored or serialised.
+    """
+    return is_integer(value) and value >= 1
+
+
+def is_flag(value) -> bool:
+    """Whether `value` is `True` or `False` (also NumPy's), not 0/1 or "no"."""
+    return isinstance(value, (bool, np.bool_))
 
 
 def is_nonempty_path(value) -> bool:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import numbers
 import os
 import signal
 import socket
@@ -17,9 +19,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
-from keras_mgpu._checks import is_positive_int
+from keras_mgpu._checks import (
+    is_flag,
+    is_integer,
+    is_nonempty_path,
+    is_positive_integer,
+)
 from keras_mgpu.strategy import make_tf_config
 
 RESULT_ENV = "KERAS_MGPU_RESULT"
@@ -58,6 +65,10 @@ class WorkerError(RuntimeError):
 
 def free_ports(n: int) -> list:
     """Returns `n` distinct TCP ports that are free on localhost right now."""
+    if not is_integer(n) or n < 0:
+        raise ValueError(
+            f"free_ports needs a number of ports (an integer >= 0), got {n!r}."
+        )
     sockets = []
     try:
         for _ in range(n):
@@ -72,14 +83,23 @@ def free_ports(n: int) -> list:
 
 def _command(target: Target, kwargs: Mapping[str, Any], args: Sequence[str]):
     if callable(target):
-        module = target.__module__
+        module = getattr(target, "__module__", None)
+        qualname = getattr(target, "__qualname__", None)
         if module == "__main__":
             raise ValueError(
                 f"Cannot run {target!r} in a worker: it is defined in "
                 "__main__. Move it into an importable module, or pass the "
                 "path of a script."
             )
-        target = f"{module}:{target.__qualname__}"
+        if not module or not qualname or "<" in qualname:
+            # A lambda, a nested function or a partial has no name a worker
+            # could import; it would fail only once every worker started.
+            raise ValueError(
+                f"Cannot run {target!r} in a worker: only a module-level "
+                "function can be imported there. Define it at the top level "
+                "of an importable module, or pass the path of a script."
+            )
+        target = f"{module}:{qualname}"
     if not isinstance(target, str):
         raise TypeError(
             f"target must be a script path, a 'module:function' string or a "
@@ -88,13 +108,33 @@ def _command(target: Target, kwargs: Mapping[str, Any], args: Sequence[str]):
     if target.endswith(".py"):
         if not os.path.isfile(target):
             raise FileNotFoundError(f"No script at {target!r}.")
+        if kwargs:
+            raise ValueError(
+                f"kwargs are for a function target, but {target!r} is a "
+                f"script (got kwargs={dict(kwargs)!r}). Pass command-line "
+                "arguments with args=[...] instead."
+            )
         return [sys.executable, target, *args]
     if ":" not in target:
         raise ValueError(
             f"target {target!r} is neither a '.py' script nor a "
             "'module:function' string."
         )
-    return [sys.executable, "-c", _BOOTSTRAP, target, json.dumps(dict(kwargs))]
+    if args:
+        raise ValueError(
+            f"args are for a script target, but {target!r} is a function "
+            f"(got args={list(args)!r}). Pass its arguments with "
+            "kwargs={...} instead."
+        )
+    try:
+        encoded = json.dumps(dict(kwargs))
+    except (TypeError, ValueError) as e:
+        raise TypeError(
+            f"kwargs must be JSON-serialisable, as they reach each worker as "
+            f"JSON ({e}); got {dict(kwargs)!r}. Pass lists, numbers and "
+            "strings (e.g. array.tolist()) or paths to files."
+        ) from None
+    return [sys.executable, "-c", _BOOTSTRAP, target, encoded]
 
 
 def _tail(text: str, lines: int = 60) -> str:
@@ -117,25 +157,34 @@ def run_local_workers(
 ) -> list:
     """Runs `target` as `num_workers` local worker processes and waits.
 
+    Every argument is checked before the first worker starts.
+
     Args:
         target: A script path (`"train.py"`), a `"module:function"` string, or
             a module-level function. A function is called with `kwargs` and
             its JSON-serialisable return value becomes the worker's `result`.
             A script may write JSON to the file named by the
             `KERAS_MGPU_RESULT` environment variable.
-        num_workers: Defaults to 2.
-        kwargs: Defaults to `None`. Keyword arguments for a function target.
-        args: Defaults to `()`. Command-line arguments for a script target.
-        timeout: Defaults to 300. Seconds for the whole cluster; past it,
-            every worker is killed and `WorkerError` is raised.
-        env: Defaults to `None`. Extra environment, or a function of the
-            worker index returning it (e.g. for `CUDA_VISIBLE_DEVICES`).
-        cwd: Defaults to `None`, the current directory.
+        num_workers: Defaults to 2. A positive integer.
+        kwargs: Defaults to `None`. Keyword arguments for a function target
+            (a mapping of JSON-serialisable values).
+        args: Defaults to `()`. Command-line arguments for a script target
+            (a list of strings, not one string).
+        timeout: Defaults to 300. Seconds for the whole cluster, a positive
+            finite number (there is no unlimited wait); past it, every
+            worker is killed and `WorkerError` is raised.
+        env: Defaults to `None`. Extra environment (a mapping of strings to
+            strings), or a function of the worker index returning it (e.g.
+            for `CUDA_VISIBLE_DEVICES`).
+        cwd: Defaults to `None`, the current directory. An existing
+            directory.
         kill_when_printed: Defaults to `None`. When any worker prints a line
-            containing this text to stdout, send `kill_signal` to the workers
-            in `kill_workers`: a simulated crash or preemption.
-        kill_workers: Defaults to `None`, all workers.
-        kill_signal: Defaults to `signal.SIGKILL`.
+            containing this non-empty text to stdout, send `kill_signal` to
+            the workers in `kill_workers`: a simulated crash or preemption.
+        kill_workers: Defaults to `None`, all workers. Worker indices, from
+            0 to `num_workers - 1`; only with `kill_when_printed`.
+        kill_signal: Defaults to `signal.SIGKILL`. A signal number this
+            platform knows.
         check: Defaults to `True`: raise `WorkerError` if a worker that was
             not killed on request exits non-zero.
 
@@ -149,13 +198,18 @@ def run_local_workers(
     >>> [(r.index, r.returncode, r.result) for r in results]
     [(0, 0, 'CPython'), (1, 0, 'CPython')]
     """
-    if not is_positive_int(num_workers):
+    if not is_positive_integer(num_workers):
         raise ValueError(
             f"num_workers must be a positive integer, got {num_workers!r}."
         )
-    command = _command(target, kwargs or {}, args)
+    num_workers = int(num_workers)
+    to_kill = _check_options(timeout, kill_when_printed, kill_workers,
+                             num_workers, kill_signal, check, cwd)
+    command = _command(target, _check_kwargs(kwargs), _check_args(args))
+    # A bad environment fails Popen for one worker after the others started.
+    extras = [_check_env(env(i) if callable(env) else env, i, env)
+              for i in range(num_workers)]
     addresses = [f"localhost:{p}" for p in free_ports(num_workers)]
-    to_kill = set(range(num_workers) if kill_workers is None else kill_workers)
     workdir = tempfile.mkdtemp(prefix="keras_mgpu_workers_")
     procs, files = [], []
     python_path = os.pathsep.join(
@@ -170,8 +224,7 @@ def run_local_workers(
                 PYTHONUNBUFFERED="1",
             )
             child_env[RESULT_ENV] = os.path.join(workdir, f"result{i}.json")
-            extra = env(i) if callable(env) else env
-            child_env.update(extra or {})
+            child_env.update(extras[i])
             out = open(os.path.join(workdir, f"stdout{i}"), "w+")
             err = open(os.path.join(workdir, f"stderr{i}"), "w+")
             files.append((out, err))
@@ -198,6 +251,124 @@ def run_local_workers(
         if failed:
             raise WorkerError(_describe(failed, "failed"), results)
     return results
+
+
+def _check_options(timeout, marker, kill_workers, num_workers, kill_signal,
+                   check, cwd) -> set:
+    """Checks the scalar options; returns the indices to kill on `marker`."""
+    if (not isinstance(timeout, numbers.Real) or isinstance(timeout, bool)
+            or not math.isfinite(timeout) or timeout <= 0):
+        # A string fails only in the wait, after every worker started; NaN
+        # or inf would never time out.
+        raise ValueError(
+            f"timeout must be a positive, finite number of seconds, got "
+            f"{timeout!r}. Pass a number, e.g. timeout=300: every cluster "
+            "run has a deadline, so a hung worker cannot hang the caller."
+        )
+    if marker is not None:
+        if not isinstance(marker, str):
+            raise TypeError(
+                f"kill_when_printed must be a str (text a worker prints) or "
+                f"None, got {marker!r}."
+            )
+        if not marker:
+            raise ValueError(
+                "kill_when_printed must be non-empty text, got '': every "
+                "output contains it, so the workers would be killed at once."
+            )
+    to_kill = set(range(num_workers))
+    if kill_workers is not None:
+        if marker is None:
+            raise ValueError(
+                f"kill_workers={kill_workers!r} needs kill_when_printed: "
+                "the workers are killed when that text is printed. Pass "
+                "both, or neither."
+            )
+        if (isinstance(kill_workers, (str, bytes, Mapping))
+                or not isinstance(kill_workers, Iterable)):
+            raise TypeError(
+                f"kill_workers must be a list of worker indices, got "
+                f"{kill_workers!r}."
+            )
+        indices = list(kill_workers)
+        bad = [i for i in indices
+               if not is_integer(i) or not 0 <= i < num_workers]
+        if bad:
+            raise ValueError(
+                f"kill_workers must hold worker indices from 0 to "
+                f"{num_workers - 1} (num_workers={num_workers}), got "
+                f"{kill_workers!r}."
+            )
+        to_kill = {int(i) for i in indices}
+    if not is_integer(kill_signal) or kill_signal not in signal.valid_signals():
+        # Signal 0 only probes a process: the workers would not be killed.
+        raise ValueError(
+            f"kill_signal must be a signal this platform knows, e.g. "
+            f"signal.SIGTERM or signal.SIGKILL, got {kill_signal!r}."
+        )
+    if not is_flag(check):
+        raise TypeError(
+            f"check must be True or False, got {check!r} (a non-empty string "
+            "such as 'false' would count as True)."
+        )
+    if cwd is not None:
+        if not is_nonempty_path(cwd):
+            raise TypeError(
+                f"cwd must be a directory path or None, got {cwd!r}."
+            )
+        if not os.path.isdir(cwd):
+            raise FileNotFoundError(
+                f"cwd {os.fspath(cwd)!r} is not a directory. Create it, or "
+                "pass an existing one."
+            )
+    return to_kill
+
+
+def _check_kwargs(kwargs) -> Mapping[str, Any]:
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, Mapping) or not all(
+            isinstance(k, str) for k in kwargs):
+        raise TypeError(
+            f"kwargs must be a mapping of argument names to values, got "
+            f"{kwargs!r}."
+        )
+    return kwargs
+
+
+def _check_args(args) -> list:
+    # A string would be spread into one argument per character.
+    if isinstance(args, (str, bytes)) or not isinstance(args, Sequence):
+        raise TypeError(
+            f"args must be a list of command-line arguments, got {args!r}. "
+            "Split it, e.g. args=['--epochs', '2']."
+        )
+    bad = [a for a in args if not isinstance(a, (str, os.PathLike))]
+    if bad:
+        raise TypeError(
+            f"args must all be strings, got {bad!r} in {list(args)!r}. "
+            "Convert them, e.g. str(2)."
+        )
+    return list(args)
+
+
+def _check_env(extra, index: int, env) -> dict:
+    if extra is None:
+        return {}
+    what = f"env({index})" if callable(env) else "env"
+    if not isinstance(extra, Mapping):
+        raise TypeError(
+            f"{what} must be a mapping of variable names to values, got "
+            f"{extra!r}."
+        )
+    bad = {k: v for k, v in extra.items()
+           if not isinstance(k, str) or not isinstance(v, str)}
+    if bad:
+        raise TypeError(
+            f"{what} must map strings to strings, got {bad!r}. Convert the "
+            "values, e.g. {'CUDA_VISIBLE_DEVICES': str(index)}."
+        )
+    return dict(extra)
 
 
 def _wait(procs, files, timeout, marker, to_kill, kill_signal):

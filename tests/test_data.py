@@ -169,3 +169,95 @@ def test_multi_worker_sharding(run_workers, tmp_path, num_shards, policy):
     seen = sorted(results[0].result["labels"] + results[1].result["labels"])
     assert len(seen) == results[0].result["steps"] * 2 * 4
     assert set(seen) <= set(arrays(40)[1].tolist())
+
+
+@pytest.mark.parametrize("name", ["../escape", "sub/data", "a\\b", "", ".",
+                                  "..", "da\0ta"])
+def test_name_must_be_a_plain_file_stem(tmp_path, name):
+    target = tmp_path / "out"
+    with pytest.raises(ValueError, match="name must be a plain file-name stem") \
+            as info:
+        data.write_tfrecords(arrays(4), str(target), num_shards=1, name=name)
+    assert f"got {name!r}." in str(info.value)
+    assert "directory" in str(info.value)
+    # Refused before anything is written, inside the folder or beside it.
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"num_shards": 2.0}, "num_shards must be a positive integer, got 2.0"),
+    ({"num_shards": True}, "num_shards must be a positive integer, got True"),
+    ({"name": 3}, "name must be a str .*got 3"),
+    ({"directory": ""}, "directory must be a non-empty path.*got ''"),
+])
+def test_write_tfrecords_refuses_bad_arguments(tmp_path, kwargs, match):
+    kwargs = {"directory": str(tmp_path / "out"), **kwargs}
+    with pytest.raises((TypeError, ValueError), match=match):
+        data.write_tfrecords(arrays(4), **kwargs)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_numpy_shard_count_path_directory_and_bare_pattern(tmp_path,
+                                                          monkeypatch):
+    paths = data.write_tfrecords(arrays(6), tmp_path, num_shards=np.int64(2))
+    assert [p.rsplit("/", 1)[-1] for p in paths] == [
+        "data-00000-of-00002.tfrecord", "data-00001-of-00002.tfrecord"]
+    # A pattern without a folder used to look for "/spec.json".
+    monkeypatch.chdir(tmp_path)
+    assert data.verify_tfrecords("*.tfrecord") == 6
+    ds = data.tfrecord_dataset("*.tfrecord", per_replica_batch_size=6)
+    assert sorted(next(iter(ds))[1].numpy()) == sorted(arrays(6)[1])
+
+
+@pytest.mark.parametrize("content, cause", [
+    ("cut", "not valid JSON: "),
+    ('{"version": 1, "structure": {"tuple": 2}, "num_examples": 4}',
+     r"missing key\(s\) \['features'\]"),
+    ("[1]", "a JSON object expected, got a list"),
+    ('{"version": 1, "structure": {"tuple": 2}, "features": {"f0": {}}}',
+     "'features' names"),
+])
+def test_corrupt_spec_names_the_file_and_the_cause(tmp_path, content, cause):
+    data.write_tfrecords(arrays(4), str(tmp_path), num_shards=1)
+    spec_path = tmp_path / "spec.json"
+    if content == "cut":
+        content = spec_path.read_text()[:40]
+    spec_path.write_text(content)
+    readers = [
+        lambda: data.read_spec(str(tmp_path)),
+        lambda: data.tfrecord_dataset(str(tmp_path / "*.tfrecord"),
+                                      per_replica_batch_size=2),
+        lambda: data.verify_tfrecords(str(tmp_path / "*.tfrecord")),
+    ]
+    for read in readers:
+        with pytest.raises(ValueError, match=cause) as info:
+            read()
+        message = str(info.value)
+        assert repr(str(spec_path)) in message
+        assert "rewrite them with it" in message
+        assert "keras_mgpu.data.write_tfrecords" in message
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"pattern": ""}, ValueError, "pattern must be a non-empty glob.*got ''"),
+    ({"per_replica_batch_size": 2.5}, ValueError,
+     "per_replica_batch_size must be a positive integer, got 2.5"),
+    ({"shuffle": "no"}, TypeError, "shuffle must be True or False, got 'no'"),
+    ({"cache": 1}, TypeError, "cache must be True or False, got 1"),
+    ({"repeat": None}, TypeError, "repeat must be True or False, got None"),
+    ({"drop_remainder": "yes"}, TypeError,
+     "drop_remainder must be True or False, got 'yes'"),
+    ({"seed": 1.5}, ValueError, "seed must be an integer or None, got 1.5"),
+    ({"seed": True}, ValueError, "seed must be an integer or None, got True"),
+    ({"shuffle_buffer": 0}, ValueError,
+     "shuffle_buffer must be a positive number of examples, got 0"),
+    ({"num_parallel_calls": 0}, ValueError,
+     r"num_parallel_calls must be a positive integer or tf\.data\.AUTOTUNE, "
+     "got 0"),
+])
+def test_tfrecord_dataset_refuses_bad_arguments(kwargs, error, match):
+    # Checked before the glob: no shards needed.
+    kwargs = {"pattern": "no-such-dir/*.tfrecord", "per_replica_batch_size": 2,
+              **kwargs}
+    with pytest.raises(error, match=match):
+        data.tfrecord_dataset(**kwargs)

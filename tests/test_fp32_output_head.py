@@ -262,3 +262,35 @@ def test_counts_reach_fit_logs_under_multi_worker(run_workers):
         assert r.result["head_nonfinite_inputs"] == [0.0, 0.0]
         assert r.result["head_nonfinite_outputs"] == [0.0, 0.0]
         assert len(r.result["loss"]) == 2
+
+
+@pytest.mark.parametrize("units", [2.7, 3.0, True, 0, -1, "3", None])
+def test_units_must_be_a_positive_integer(units):
+    # int(2.7) used to build a 2-unit head without a word.
+    with pytest.raises(ValueError, match="units must be a positive integer") \
+            as info:
+        FP32OutputHead(units)
+    assert f"got {units!r}." in str(info.value)
+    assert "Pass an int" in str(info.value)
+
+
+def test_numpy_integer_units_are_accepted_as_int():
+    head = FP32OutputHead(np.int64(4))
+    assert head.units == 4 and type(head.units) is int
+    assert head.get_config()["units"] == 4
+
+
+@pytest.mark.parametrize("value", ["False", 0, None])
+def test_float32_matmul_must_be_a_bool(value):
+    # bool("False") used to turn the float32 matmul on.
+    with pytest.raises(TypeError, match=(
+            f"float32_matmul must be True or False, got {value!r}")):
+        FP32OutputHead(3, float32_matmul=value)
+    assert FP32OutputHead(3, float32_matmul=np.bool_(True)).float32_matmul
+
+
+def test_unknown_activation_names_the_value_and_the_choices():
+    with pytest.raises(ValueError, match=(
+            r"activation must be the name of a Keras activation \(e\.g\. "
+            r"'softmax'.*got 'softmx'\.")):
+        FP32OutputHead(3, activation="softmx")

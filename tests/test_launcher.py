@@ -72,3 +72,74 @@ def test_bad_targets_are_rejected():
 def test_free_ports_are_distinct():
     ports = launcher.free_ports(4)
     assert len(set(ports)) == 4
+
+
+@pytest.mark.parametrize("options, error, match", [
+    ({"timeout": "10"}, ValueError,
+     "timeout must be a positive, finite number of seconds, got '10'"),
+    ({"timeout": None}, ValueError, "got None. Pass a number"),
+    ({"timeout": 0}, ValueError, "got 0. Pass a number"),
+    ({"timeout": float("nan")}, ValueError, "got nan. Pass a number"),
+    ({"timeout": True}, ValueError, "got True. Pass a number"),
+    ({"num_workers": 2.0}, ValueError,
+     "num_workers must be a positive integer, got 2.0"),
+    ({"num_workers": True}, ValueError,
+     "num_workers must be a positive integer, got True"),
+    ({"kill_when_printed": ""}, ValueError,
+     "kill_when_printed must be non-empty text"),
+    ({"kill_when_printed": b"up"}, TypeError,
+     "kill_when_printed must be a str .*got b'up'"),
+    ({"kill_when_printed": "up", "kill_workers": [2]}, ValueError,
+     r"indices from 0 to 1 \(num_workers=2\), got \[2\]"),
+    ({"kill_when_printed": "up", "kill_workers": 1}, TypeError,
+     "kill_workers must be a list of worker indices, got 1"),
+    ({"kill_workers": [1]}, ValueError,
+     r"kill_workers=\[1\] needs kill_when_printed"),
+    ({"kill_signal": 0}, ValueError,
+     "kill_signal must be a signal this platform knows.*got 0"),
+    ({"check": "no"}, TypeError, "check must be True or False, got 'no'"),
+    ({"cwd": "no-such-dir"}, FileNotFoundError,
+     "cwd 'no-such-dir' is not a directory"),
+    ({"args": "--flag"}, TypeError,
+     r"args must be a list .*got '--flag'. Split it"),
+    ({"args": ["--epochs", 2]}, TypeError, r"args must all be strings, got \[2\]"),
+    ({"kwargs": {"epochs": 2}}, ValueError,
+     r"kwargs are for a function target.*Pass command-line arguments"),
+    ({"env": {"CUDA_VISIBLE_DEVICES": 0}}, TypeError,
+     r"env must map strings to strings, got \{'CUDA_VISIBLE_DEVICES': 0\}"),
+    ({"env": lambda i: {"RANK": i}}, TypeError,
+     r"env\(0\) must map strings to strings, got \{'RANK': 0\}"),
+])
+def test_bad_arguments_are_refused_before_any_worker_starts(
+        tmp_path, options, error, match):
+    started = tmp_path / "started"
+    script = tmp_path / "job.py"
+    script.write_text(f"open({str(started)!r}, 'w').close()\n")
+    env_calls = []
+
+    def env(index):
+        env_calls.append(index)
+        return {}
+
+    options = {"num_workers": 2, "env": env, **options}
+    num_workers = options.pop("num_workers")
+    with pytest.raises(error, match=match):
+        launcher.run_local_workers(str(script), num_workers, **options)
+    # env(i) runs before worker i starts: no call, no worker (nor its file).
+    assert env_calls == [] and not started.exists()
+
+
+def test_function_target_refuses_unimportable_and_unserialisable_input():
+    with pytest.raises(ValueError, match="only a module-level function"):
+        launcher.run_local_workers(lambda: None, 1)
+    with pytest.raises(ValueError, match=r"args are for a script target"):
+        launcher.run_local_workers(workers.echo, 1, args=["x"])
+    with pytest.raises(TypeError, match=(
+            r"kwargs must be JSON-serialisable.*\{'value': \{1, 2\}\}")):
+        launcher.run_local_workers(workers.echo, 1, kwargs={"value": {1, 2}})
+
+
+@pytest.mark.parametrize("n", [-1, "2", 2.0, True])
+def test_free_ports_refuses_a_non_count(n):
+    with pytest.raises(ValueError, match=f"an integer >= 0\\), got {n!r}"):
+        launcher.free_ports(n)

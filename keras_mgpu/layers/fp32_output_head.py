@@ -9,6 +9,7 @@ import tensorflow as tf
 from keras import ops
 
 from keras_mgpu import compat
+from keras_mgpu._checks import is_flag, is_positive_integer
 
 # Activations whose output Keras's cross-entropy losses can map back to the
 # logits they came from (softmax -> categorical, sigmoid -> binary).
@@ -64,12 +65,15 @@ class FP32OutputHead(keras.layers.Layer):
     `keras_mgpu.GradientAccumulationModel`), Keras does not collect them.
 
     Args:
-        units: Number of outputs (classes, or 1 for a binary head).
+        units: Number of outputs (classes, or 1 for a binary head): a
+            positive `int` (a NumPy integer too; not a float or a bool).
         activation: Defaults to `None` (linear). Usually `"softmax"`,
-            `"sigmoid"` or `None`; computed in float32.
-        float32_matmul: Defaults to `False`. If `True`, the matmul runs in
-            float32 too (inputs are upcast), so logits beyond the float16
-            range (65504) do not overflow. Costs one float32 matmul.
+            `"sigmoid"` or `None`; computed in float32. Any name, callable or
+            serialized activation that `keras.activations.get` accepts.
+        float32_matmul: Defaults to `False`. `True` or `False`. If `True`,
+            the matmul runs in float32 too (inputs are upcast), so logits
+            beyond the float16 range (65504) do not overflow. Costs one
+            float32 matmul.
         **dense_kwargs: Passed to the inner `keras.layers.Dense`
             (`use_bias`, `kernel_initializer`, ...) or to `keras.layers.Layer`
             (`name`, `dtype`, `trainable`).
@@ -95,6 +99,28 @@ class FP32OutputHead(keras.layers.Layer):
         float32_matmul: bool = False,
         **dense_kwargs,
     ):
+        # Checked before anything is built: int(2.7) would silently give a
+        # 2-class head, and bool("False") a float32 matmul.
+        if not is_positive_integer(units):
+            raise ValueError(
+                f"units must be a positive integer (the number of outputs: "
+                f"classes, or 1 for a binary head), got {units!r}. Pass an "
+                "int, e.g. FP32OutputHead(10, activation='softmax')."
+            )
+        if not is_flag(float32_matmul):
+            raise TypeError(
+                f"float32_matmul must be True or False, got "
+                f"{float32_matmul!r} (a non-empty string such as 'false' "
+                "would count as True)."
+            )
+        try:
+            activation_fn = keras.activations.get(activation)
+        except ValueError:
+            raise ValueError(
+                f"activation must be the name of a Keras activation (e.g. "
+                f"'softmax', 'sigmoid', 'linear'), a callable or None, got "
+                f"{activation!r}."
+            ) from None
         layer_kwargs = {
             key: dense_kwargs.pop(key)
             for key in ("name", "dtype", "trainable")
@@ -105,7 +131,7 @@ class FP32OutputHead(keras.layers.Layer):
         dense_kwargs.pop("autocast", None)
         super().__init__(autocast=False, **layer_kwargs)
         self.units = int(units)
-        self.activation = keras.activations.get(activation)
+        self.activation = activation_fn
         self.float32_matmul = bool(float32_matmul)
         self._dense_kwargs = dict(dense_kwargs)
         self.dense = keras.layers.Dense(
