@@ -1,7 +1,7 @@
 """Worker entry points for the DistributedLogger multi-process tests.
 
-Each creates its strategy first, before any other TensorFlow call, as
-MultiWorkerMirroredStrategy requires.
+Each that trains under a strategy creates it first, before any other
+TensorFlow call, as MultiWorkerMirroredStrategy requires.
 """
 
 import os
@@ -34,3 +34,32 @@ def chief_only_logging(base_dir, epochs=2, update_freq=2):
         "exists": os.path.exists(log_dir),
         "loss": history.history["loss"],
     }
+
+
+def announced_writes(log_dir, epochs=100):
+    """Fits a tiny model logging every batch to `log_dir`, and prints
+    `WROTE <kind> <step>;` once each record's write has returned; holds
+    after training until killed (the test kills it mid-run, on a marker)."""
+    import keras
+
+    from keras_mgpu.callbacks import _sinks
+    from keras_mgpu.callbacks.distributed_logger import DistributedLogger
+    from tests import workers
+
+    write = _sinks.Sinks._write
+
+    def announcing(self, records):
+        write(self, records)
+        for record in records:
+            print(f"WROTE {record['kind']} {record['step']};", flush=True)
+
+    # Instrumented, not replaced: the real write runs, then announces.
+    _sinks.Sinks._write = announcing
+    keras.utils.set_random_seed(0)
+    x, y = workers.regression_data(64)
+    model = workers.build_mlp()
+    model.compile("sgd", "mse")
+    model.fit(x, y, batch_size=8, epochs=epochs, verbose=0, shuffle=False,
+              callbacks=[DistributedLogger(log_dir, update_freq=1,
+                                           console=False)])
+    workers.hold_until_killed()

@@ -3,6 +3,8 @@
 import glob
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -21,15 +23,23 @@ from tests import logger_workers, workers
 from tests.conftest import mirrored
 
 
+def read_lines(log_dir):
+    """The JSONL file's lines, local or at a URL."""
+    path = tf.io.gfile.join(log_dir, "metrics.jsonl")
+    with tf.io.gfile.GFile(path) as f:
+        return f.read().splitlines()
+
+
 def read_jsonl(log_dir):
-    with open(os.path.join(log_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+    return [json.loads(line) for line in read_lines(log_dir)]
 
 
 def read_scalars(log_dir):
-    """{tag: [(step, value), ...]} from the chief's TensorBoard events."""
+    """{tag: [(step, value), ...]} from the chief's TensorBoard events
+    (local or at a URL)."""
     scalars = {}
-    paths = glob.glob(os.path.join(log_dir, "train", "events.out.tfevents.*"))
+    paths = tf.io.gfile.glob(
+        tf.io.gfile.join(log_dir, "train", "events.out.tfevents.*"))
     assert paths, f"no events file under {log_dir}/train"
     for path in paths:
         for event in tf.compat.v1.train.summary_iterator(path):
@@ -430,3 +440,174 @@ def test_a_failed_write_names_its_cause(tmp_path):
                if "DistributedLogger could not write its records" in line]
     assert message, proc.stderr[-3000:]
     assert "File too large" in message[-1], message[-1]
+
+
+# --- Durability ---------------------------------------------------------------
+
+# A killed earlier run's file: one whole record, then a torn line.
+_TORN = '{"kind": "window", "step": 0}\n{"kind": "win'
+
+
+@pytest.mark.parametrize("where", ["local", "url"])
+def test_local_or_url_log_dir_appends_after_a_torn_line(tmp_path, monkeypatch,
+                                                        where):
+    monkeypatch.chdir(tmp_path)
+    log_dir = (f"ram://keras_mgpu_test/{tmp_path.name}/logs" if where == "url"
+               else str(tmp_path / "run"))
+    tf.io.gfile.makedirs(log_dir)
+    with tf.io.gfile.GFile(tf.io.gfile.join(log_dir, "metrics.jsonl"),
+                           "w") as f:
+        f.write(_TORN)
+    _, batch_logs, _ = small_fit(mirrored(1), log_dir, epochs=1,
+                                 validation=False, update_freq=4,
+                                 console=False, profile_steps=(2, 3))
+
+    lines = read_lines(log_dir)
+    # The torn line is closed off: only it is unreadable.
+    assert lines[:2] == _TORN.splitlines()
+    records = [json.loads(line) for line in lines[2:]]
+    # 7 batches: windows of 4 and 3, then the epoch record.
+    assert [(r["kind"], r["step"]) for r in records] == [
+        ("window", 4), ("window", 7), ("epoch", 7)]
+    scalars = read_scalars(log_dir)
+    assert scalars["window/metrics/loss"] == [
+        (s, pytest.approx(batch_logs[s - 1]["loss"], rel=1e-6))
+        for s in (4, 7)]
+    assert scalars["epoch/metrics/loss"] == [
+        (0, pytest.approx(records[-1]["metrics"]["loss"]))]
+    traces = tf.io.gfile.glob(tf.io.gfile.join(
+        log_dir, "train", "plugins", "profile", "*", "*.xplane.pb"))
+    assert len(traces) == 1
+    # A URL is written through tf.io.gfile: no local `ram:` folder.
+    assert os.listdir(tmp_path) == ([] if where == "url" else ["run"])
+
+
+def test_url_jsonl_is_rewritten_where_append_is_unsupported(tmp_path):
+    from keras_mgpu.callbacks import _sinks
+
+    path = f"ram://keras_mgpu_test/{tmp_path.name}/metrics.jsonl"
+    with tf.io.gfile.GFile(path, "w") as f:
+        f.write(_TORN)
+    # The fallback for file systems that cannot append, on a real one.
+    jsonl = _sinks._rewrite_jsonl(path, _sinks._torn(path))
+    jsonl.write('{"kind": "epoch"}\n')
+    jsonl.close()
+    with tf.io.gfile.GFile(path) as f:
+        assert f.read().splitlines() == [*_TORN.splitlines(),
+                                         '{"kind": "epoch"}']
+
+
+class RaiseAt(keras.callbacks.Callback):
+    """Raises at the end of train batch `batch` of `epoch`: a crashed fit."""
+
+    def __init__(self, epoch, batch):
+        super().__init__()
+        self.at = (epoch, batch)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.epoch, batch) == self.at:
+            raise ValueError(f"crashed at epoch {self.epoch} batch {batch}")
+
+
+def test_a_crashed_fit_flushes_stops_the_writer_and_can_fit_again(tmp_path):
+    log_dir = str(tmp_path / "run")
+    x, y = workers.regression_data(128)
+    model = workers.build_mlp()
+    model.compile("sgd", "mse")
+    logger = DistributedLogger(log_dir, update_freq=2, console=False)
+    batch_logs = BatchLogs()
+    # 8 batches per epoch; the 7th of epoch 1 raises after training: 15
+    # batches trained, the window of steps 15-16 never closes.
+    with pytest.raises(ValueError, match="crashed at epoch 1 batch 6"):
+        model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False,
+                  callbacks=[logger, batch_logs, RaiseAt(1, 6)])
+    # Keras skipped on_train_end: the writer stops by itself (the timeout
+    # only bounds a failure), having written and flushed everything.
+    thread = logger._sinks._thread
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    crashed = [("window", s) for s in (2, 4, 6, 8)] + [("epoch", 8)] + [
+        ("window", s) for s in (10, 12, 14)]
+    assert [(r["kind"], r["step"]) for r in read_jsonl(log_dir)] == crashed
+    scalars = read_scalars(log_dir)
+    windows = [2, 4, 6, 8, 10, 12, 14]
+    assert scalars["window/metrics/loss"] == [
+        (s, pytest.approx(batch_logs.logs[s - 1]["loss"], rel=1e-6))
+        for s in windows]
+    assert [s for s, _ in scalars["epoch/metrics/loss"]] == [0]
+
+    # Fitting again continues the same files at the run's global step.
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False,
+              callbacks=[logger, batch_logs])
+    again = [("window", s) for s in (17, 19, 21, 23)] + [("epoch", 23)]
+    assert [(r["kind"], r["step"]) for r in read_jsonl(log_dir)] == (
+        crashed + again)
+    scalars = read_scalars(log_dir)
+    assert scalars["window/metrics/loss"] == [
+        (s, pytest.approx(batch_logs.logs[s - 1]["loss"], rel=1e-6))
+        for s in windows + [17, 19, 21, 23]]
+    assert [s for s, _ in scalars["epoch/metrics/loss"]] == [0, 0]
+    assert logger._sinks is None and not thread.is_alive()
+
+
+def test_a_sigkilled_run_loses_at_most_the_record_in_flight(run_workers,
+                                                             tmp_path):
+    log_dir = str(tmp_path / "logs")
+    # The child logs every batch and announces each record once written;
+    # it is killed mid-run, on its announcement of step 40.
+    [result] = run_workers(logger_workers.announced_writes, num_workers=1,
+                           kwargs={"log_dir": log_dir, "epochs": 100},
+                           kill_when_printed="WROTE window 40;")
+    assert result.killed and result.returncode == -signal.SIGKILL, (
+        result.returncode, result.stderr[-3000:])
+    announced = [(kind, int(step)) for kind, step in
+                 re.findall(r"WROTE (\w+) (\d+);", result.stdout)]
+    assert ("window", 40) in announced, result.stderr[-3000:]
+
+    lines = read_lines(log_dir)
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            # Only the record being written when the kill came.
+            assert i == len(lines) - 1, (i, len(lines), line)
+    written = [(r["kind"], r["step"]) for r in records]
+    # 8 batches per epoch, a window per batch, then the epoch record.
+    expected = [(kind, 8 * epoch + step) for epoch in range(100)
+                for kind, step in [("window", s) for s in range(1, 9)]
+                + [("epoch", 8)]]
+    assert written == expected[:len(written)]
+    assert written[:len(announced)] == announced
+
+
+def test_a_raising_wandb_log_stops_training_naming_it(tmp_path, monkeypatch):
+    import wandb
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)
+
+    def log(self, *args, **kwargs):
+        raise ValueError("wandb is down")
+
+    monkeypatch.setattr(wandb.sdk.wandb_run.Run, "log", log)
+    log_dir = f"ram://keras_mgpu_test/{tmp_path.name}/logs"
+    with pytest.raises(RuntimeError, match="could not write its records: "
+                                           "ValueError: wandb is down"):
+        small_fit(mirrored(1), log_dir, epochs=1, validation=False,
+                  update_freq=1, console=False,
+                  wandb={"project": "keras-mgpu-test"})
+    # The logger finished the run on the way out, not left it open.
+    assert wandb.run is None
+    # JSONL and TensorBoard come before wandb: the first record is there.
+    assert read_jsonl(log_dir)[0]["step"] == 1
+    # wandb writes locally: for a URL log_dir, in the working directory
+    # (not wandb's, fixed at the process's first run); nothing else is
+    # local (no `ram:` folder).
+    assert len(glob.glob(str(tmp_path / "wandb" / "offline-run-*"))) == 1
+    assert os.listdir(tmp_path) == ["wandb"]

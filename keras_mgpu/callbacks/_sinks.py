@@ -7,9 +7,24 @@ import json
 import os
 import queue
 import threading
+import time
 from typing import Optional
 
 import tensorflow as tf
+
+# The writer thread flushes every output and exits once nothing has been
+# queued for this long; the next record starts a new one. So a `fit` that
+# raises (Keras then never calls `on_train_end`) still has every record it
+# queued written and flushed, and leaves no thread behind.
+IDLE_SECONDS = 0.5
+
+_CLOSE = object()  # queued by `close`: write what precedes, then stop
+
+
+def is_url(path: str) -> bool:
+    """Whether `path` names a `tf.io.gfile` file system (`gs://`, `ram://`)
+    rather than a local path."""
+    return "://" in path
 
 
 class Sinks:
@@ -19,47 +34,76 @@ class Sinks:
     and writes them together: JSONL lines in one write, TensorBoard events
     in one compiled call, then wandb. A failed write is raised on the
     training thread at the next `submit` or at `close`.
+
+    The thread runs while there is work: idle for `IDLE_SECONDS`, it
+    flushes the outputs and exits, and `submit` starts another. It is not
+    a daemon, so records queued when the program ends still land.
+
+    A local `log_dir` is written with `open()`; a URL (`gs://...`,
+    `ram://...`) through `tf.io.gfile`, wandb's files excepted (wandb
+    writes locally: to `WANDB_DIR`, else the working directory, then).
     """
 
     def __init__(self, log_dir: str, wandb_config: Optional[dict]):
-        os.makedirs(log_dir, exist_ok=True)
+        tf.io.gfile.makedirs(log_dir)
         # A flush syncs the file (fsync). By default the writer syncs every
         # 10 events: with a record's ~20 scalars, two fsyncs per window.
-        # Sync at most every second and after every epoch record instead.
+        # Sync at most every second, after every epoch record and when the
+        # writer thread goes idle instead.
         self._writer = tf.summary.create_file_writer(
-            os.path.join(log_dir, "train"),
+            tf.io.gfile.join(log_dir, "train"),
             max_queue=10_000, flush_millis=1_000,
         )
         self._write_events = _event_writer(self._writer)
-        self._jsonl = _open_jsonl(os.path.join(log_dir, "metrics.jsonl"))
+        self._jsonl = _open_jsonl(tf.io.gfile.join(log_dir, "metrics.jsonl"))
+        self._jsonl_local = not is_url(log_dir)
+        self._jsonl_flushed = time.monotonic()
         self._wandb_run = None
         if wandb_config is not None:
             import wandb
 
             config = dict(wandb_config)
-            config.setdefault("dir", log_dir)
+            # wandb writes locally. For a URL log_dir, its documented default
+            # (WANDB_DIR, else the working directory), read now: wandb's own
+            # is fixed at the process's first `wandb.init`.
+            config.setdefault("dir", (
+                os.environ.get("WANDB_DIR") or os.getcwd()
+            ) if is_url(log_dir) else log_dir)
             os.makedirs(config["dir"], exist_ok=True)
             self._wandb_run = wandb.init(**config)
         self._queue = queue.Queue()
         self._error = None
-        # Not a daemon: records queued when the program ends still land.
-        self._thread = threading.Thread(
-            target=self._run, name="DistributedLogger")
-        self._thread.start()
+        # `_running` and the queue are checked together under the lock, by
+        # `submit` and by a thread deciding to exit: a record is never left
+        # queued with no thread to write it.
+        self._lock = threading.Lock()
+        self._running = False
+        self._thread = None  # the latest writer thread
 
     def submit(self, record: dict) -> None:
         self._raise_error()
-        self._queue.put(record)
+        self._put(record)
 
     def close(self) -> None:
         """Writes every queued record, then closes the outputs."""
-        self._queue.put(None)
+        self._put(_CLOSE)
         self._thread.join()
         self._writer.close()
         self._jsonl.close()
         if self._wandb_run is not None:
             self._wandb_run.finish()
         self._raise_error()
+
+    def _put(self, item) -> None:
+        with self._lock:
+            self._queue.put(item)
+            if not self._running:
+                self._running = True
+                # Not a daemon: records queued when the program ends still
+                # land.
+                self._thread = threading.Thread(
+                    target=self._run, name="DistributedLogger")
+                self._thread.start()
 
     def _raise_error(self) -> None:
         if self._error is not None:
@@ -72,27 +116,38 @@ class Sinks:
             ) from error
 
     def _run(self) -> None:
-        done = False
-        while not done:
+        while True:
             try:
-                records = [self._queue.get(timeout=0.5)]
+                records = [self._queue.get(timeout=IDLE_SECONDS)]
             except queue.Empty:
-                if threading.main_thread().is_alive():
-                    continue
-                # `fit` died without `on_train_end` and the program is
-                # exiting: write what is queued, then let it exit.
-                records = [None]
+                self._flush()
+                with self._lock:
+                    if self._queue.empty():
+                        self._running = False
+                        return
+                continue
             while not self._queue.empty():
                 records.append(self._queue.get())
-            done = None in records
-            records = [r for r in records if r is not None]
+            closing = any(r is _CLOSE for r in records)
+            records = [r for r in records if r is not _CLOSE]
             if records and self._error is None:
                 try:
                     self._write(records)
                 except Exception as error:  # raised on the training thread
                     self._error = error
-        self._jsonl.flush()
-        self._writer.flush()
+            if closing:
+                self._flush()
+                with self._lock:
+                    self._running = False
+                return
+
+    def _flush(self) -> None:
+        try:
+            self._jsonl.flush()
+            self._writer.flush()
+        except Exception as error:  # raised on the training thread
+            if self._error is None:
+                self._error = error
 
     def _write(self, records: list) -> None:
         self._jsonl.write("".join(json.dumps(r) + "\n" for r in records))
@@ -104,11 +159,16 @@ class Sinks:
             tf.constant([r["epoch"] if r["kind"] == "epoch" else r["step"]
                          for r in records], tf.int64),
         )
-        # JSONL lines reach the file before the next records are taken (no
-        # sync: cheap), so a SIGKILL loses only records still queued; the
-        # events file, at most its last second.
-        self._jsonl.flush()
-        if any(r["kind"] == "epoch" for r in records):
+        epoch = any(r["kind"] == "epoch" for r in records)
+        # Local JSONL lines reach the file before the next records are taken
+        # (no sync: cheap), so a SIGKILL loses only records still queued; the
+        # events file, at most its last second. A URL's flush uploads the
+        # whole file on object stores: flushed as the events file is.
+        now = time.monotonic()
+        if self._jsonl_local or epoch or now - self._jsonl_flushed >= 1.0:
+            self._jsonl.flush()
+            self._jsonl_flushed = now
+        if epoch:
             self._writer.flush()
         if self._wandb_run is not None:
             for record, values in zip(records, scalars):
@@ -122,13 +182,53 @@ class Sinks:
 def _open_jsonl(path: str):
     """Opens the JSONL file for appending, after a newline if a killed run
     left a torn last line (so only that line is unreadable)."""
-    jsonl = open(path, "a+b")
-    if jsonl.tell():
-        jsonl.seek(-1, os.SEEK_END)
-        if jsonl.read(1) != b"\n":
-            jsonl.write(b"\n")
-    jsonl.close()
-    return open(path, "a")
+    if not is_url(path):
+        jsonl = open(path, "a+b")
+        if jsonl.tell():
+            jsonl.seek(-1, os.SEEK_END)
+            if jsonl.read(1) != b"\n":
+                jsonl.write(b"\n")
+        jsonl.close()
+        return open(path, "a")
+    if not tf.io.gfile.exists(path):
+        # Some file systems append only to a file that exists.
+        jsonl = tf.io.gfile.GFile(path, "w")
+        jsonl.write("")
+        return jsonl
+    torn = _torn(path)
+    jsonl = tf.io.gfile.GFile(path, "a")
+    try:
+        # GFile opens on its first write: this one raises where the file
+        # system cannot append.
+        jsonl.write("\n" if torn else "")
+    except tf.errors.UnimplementedError:
+        return _rewrite_jsonl(path, torn)
+    jsonl.flush()
+    return jsonl
+
+
+def _torn(path: str) -> bool:
+    """Whether the file at a URL ends in a torn line."""
+    size = tf.io.gfile.stat(path).length
+    if not size:
+        return False
+    with tf.io.gfile.GFile(path, "rb") as f:
+        f.seek(size - 1)
+        return f.read(1) != b"\n"
+
+
+def _rewrite_jsonl(path: str, torn: bool):
+    """The JSONL file at a URL whose file system cannot append: its lines
+    rewritten, a torn last one closed off, and open to write more."""
+    with tf.io.gfile.GFile(path, "rb") as f:
+        content = f.read()
+    # Removed first: "w" need not truncate (ram:// does not, in TF 2.21).
+    # A crash before the flush below loses the old lines.
+    tf.io.gfile.remove(path)
+    jsonl = tf.io.gfile.GFile(path, "w")
+    jsonl.write(content + (b"\n" if torn else b""))
+    jsonl.flush()
+    return jsonl
 
 
 def _event_writer(writer):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import os
@@ -104,7 +105,12 @@ class DistributedLogger(keras.callbacks.Callback):
     closes at the next batch's begin (or at validation/epoch end): it reads
     the metrics, which waits for the device, then stamps the time. Writing
     (JSONL, TensorBoard, wandb) happens on a background thread, in order;
-    everything is on disk when `fit` returns.
+    everything is on disk when `fit` returns. When `fit` raises instead,
+    the thread still writes and flushes every record queued before the
+    error, then stops; fitting again with the same logger appends to the
+    same files. A local JSONL file has every line written before the next
+    record is taken: a killed run loses at most the records still queued,
+    and a torn last line is closed off by the next run.
 
     Records are stamped with the run's global step, kept by the training
     runtime this callback shares with `BackupAndRestore` and
@@ -134,7 +140,11 @@ class DistributedLogger(keras.callbacks.Callback):
     over workers and flags `input_bound` from the most input-bound one.
 
     Args:
-        log_dir: Directory for all output (created on the chief only).
+        log_dir: Directory for all output (created on the chief only): a
+            local path, or a URL that `tf.io.gfile` can write (`gs://...`,
+            `ram://...`). A URL's JSONL file is flushed as the events
+            file is: at most every second, after every epoch record and
+            when writing pauses (on object stores a flush uploads the file).
         update_freq: Defaults to 100. Train batches per window record, a
             positive integer, or `"epoch"` for epoch records only. Windows
             restart at every epoch; the last one of an epoch may be shorter.
@@ -143,7 +153,9 @@ class DistributedLogger(keras.callbacks.Callback):
             `batch_size * steps` instead.
         wandb: Defaults to `None` (no wandb). `True`, or a dict of
             `wandb.init` arguments (e.g. `{"project": "demo"}`), to log every
-            record to a wandb run on the chief; `dir` defaults to `log_dir`.
+            record to a wandb run on the chief; `dir` defaults to `log_dir`
+            (wandb writes locally: for a URL `log_dir`, to `WANDB_DIR`, else
+            the working directory).
             Respects `WANDB_MODE=offline`. Needs `pip install
             "keras-mgpu[wandb]"`.
         profile_steps: Defaults to `None`. `(start, stop)`: capture a
@@ -227,6 +239,10 @@ class DistributedLogger(keras.callbacks.Callback):
         self._last = None
         self._reader = None
         _memory(self._num_gpus, reset=True)
+        # A `fit` that raised never reached `on_train_end`: its profile is
+        # stopped here, and its sinks (whose writer has stopped by itself)
+        # take this fit's records after the ones it wrote.
+        self._stop_profiler()
         if self._chief and self._sinks is None:
             self._sinks = Sinks(self.log_dir, self.wandb_config)
 
@@ -290,7 +306,7 @@ class DistributedLogger(keras.callbacks.Callback):
             return
         record["metrics"] = _floats(logs or {})
         if self._chief:
-            self._sinks.submit(record)
+            self._submit(record)
             if self.console:
                 self._pending_console = _console_line(record)
             if self.params and self.params.get("verbose") != 1:
@@ -306,6 +322,18 @@ class DistributedLogger(keras.callbacks.Callback):
 
     # --- Records -------------------------------------------------------------
 
+    def _submit(self, record: dict) -> None:
+        try:
+            self._sinks.submit(record)
+        except RuntimeError:
+            # A write failed: training stops here, so close the outputs now
+            # (the wandb run finished, the files closed) rather than leave
+            # them open. Only the first failure is raised.
+            sinks, self._sinks = self._sinks, None
+            with contextlib.suppress(Exception):
+                sinks.close()
+            raise
+
     def _log_resumes(self):
         for event in self._runtime.resumed_here:
             if event in self._logged_resumes:
@@ -313,7 +341,7 @@ class DistributedLogger(keras.callbacks.Callback):
             self._logged_resumes.add(event)
             text = event.describe()
             if self._chief:
-                self._sinks.submit(_record(
+                self._submit(_record(
                     "resume", event.epoch, event.step, {}, {}, None,
                     resume={**dataclasses.asdict(event), "text": text}))
                 if self.console:
@@ -348,9 +376,9 @@ class DistributedLogger(keras.callbacks.Callback):
             m.update(_across_workers(gathered[:, i * width:(i + 1) * width]))
         common = self._shared_fields(read, counters)
         if self.update_freq != "epoch" and self._chief:
-            self._sinks.submit(_record("window", self._epoch,
-                                       counters.global_step, measured[0],
-                                       common, read["metrics"]))
+            self._submit(_record("window", self._epoch,
+                                 counters.global_step, measured[0],
+                                 common, read["metrics"]))
         if final:
             self._epoch_record = _record("epoch", self._epoch,
                                          counters.global_step, measured[1],
@@ -470,7 +498,7 @@ class DistributedLogger(keras.callbacks.Callback):
         if not self._profiling and start <= step <= stop:
             try:
                 tf.profiler.experimental.start(
-                    os.path.join(self.log_dir, "train")
+                    tf.io.gfile.join(self.log_dir, "train")
                 )
                 self._profiling = True
             except tf.errors.AlreadyExistsError:
