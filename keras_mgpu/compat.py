@@ -415,6 +415,51 @@ def producing_layer(keras_tensor):
 # once per batch (or `steps_per_execution` batches).
 
 
+def set_cluster_startup_timeout(seconds: float) -> None:
+    """Makes TensorFlow's multi-worker start-up wait at most `seconds` for
+    every training worker to connect, then raise `DeadlineExceededError`.
+
+    `MultiWorkerMirroredStrategy` configures TensorFlow's coordination
+    service itself, with no registration deadline: a worker whose peer
+    never starts waits forever. This sets the same configuration (leader,
+    chief and worker jobs), plus a registration barrier with a deadline,
+    before the strategy is created; the strategy keeps a configuration it
+    finds. Must run before the strategy, like the strategy itself.
+    """
+    import tensorflow as tf
+    from tensorflow.python.distribute import multi_worker_util
+    from tensorflow.python.eager import context
+
+    used_for = "auto_strategy(startup_timeout=...)"
+    needed = ("tensorflow's CoordinationServiceConfig with "
+              "cluster_register_with_barrier")
+    try:
+        from tensorflow.compiler.xla.tsl.protobuf import (
+            coordination_config_pb2 as proto)
+    except ImportError:
+        raise _internals_error(needed, used_for) from None
+    fields = proto.CoordinationServiceConfig.DESCRIPTOR.fields_by_name
+    if "cluster_register_with_barrier" not in fields:
+        raise _internals_error(needed, used_for)
+    ctx = context.context()
+    _require(ctx, "configure_coordination_service", used_for)
+    cluster_spec = (
+        tf.distribute.cluster_resolver.TFConfigClusterResolver().cluster_spec()
+    )
+    ctx.configure_coordination_service(
+        service_type="standalone",
+        service_leader=multi_worker_util.coordination_leader(cluster_spec),
+        coordinated_jobs=[
+            proto.CoordinatedJob(name=job,
+                                 num_tasks=cluster_spec.num_tasks(job))
+            for job in ("chief", "worker") if job in cluster_spec.jobs
+        ],
+        cluster_register_timeout_in_ms=max(1, int(seconds * 1000)),
+    )
+    # Without the barrier the deadline is not enforced: the leader waits on.
+    ctx.coordination_service.cluster_register_with_barrier = True
+
+
 def set_initial_epoch(model, epoch) -> None:
     """Makes the running `fit` start at `epoch` (None: as the caller asked)."""
     _require(model, "_initial_epoch", _BACKUP)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import socket
 from typing import Any, Mapping, Optional, Sequence
 
 import tensorflow as tf
@@ -126,11 +127,19 @@ def parse_tf_config(value: Optional[str] = None) -> ClusterInfo:
                 f"list of 'host:port' strings, got {addresses!r}."
             )
         for address in addresses:
-            if not isinstance(address, str) or ":" not in address:
+            _check_address(task_type, address)
+    seen = {}
+    for task_type, addresses in cluster.items():
+        for index, address in enumerate(addresses):
+            where = f"{task_type}:{index}"
+            if address in seen:
+                # Two tasks cannot serve on one address: the second one's
+                # server fails to bind, or both wait forever for each other.
                 raise ValueError(
-                    f"TF_CONFIG field 'cluster.{task_type}' has address "
-                    f"{address!r}; each address must be a 'host:port' string."
+                    f"TF_CONFIG lists address {address!r} twice ({seen[address]}"
+                    f" and {where}); every task needs its own host:port."
                 )
+            seen[address] = where
     if len(cluster.get("chief", ())) > 1:
         raise ValueError(
             f"TF_CONFIG field 'cluster.chief' lists {len(cluster['chief'])} "
@@ -171,6 +180,18 @@ def parse_tf_config(value: Optional[str] = None) -> ClusterInfo:
         task_type=task_type,
         task_index=task_index,
     )
+
+
+def _check_address(task_type: str, address) -> None:
+    host, _, port = address.rpartition(":") if isinstance(address, str) else (
+        "", "", "")
+    if not host or not (port.isascii() and port.isdigit()
+                        and 1 <= int(port) <= 65535):
+        raise ValueError(
+            f"TF_CONFIG field 'cluster.{task_type}' has address {address!r}; "
+            "each address must be a 'host:port' string with a port from 1 to "
+            "65535, e.g. 'localhost:12345'."
+        )
 
 
 def cluster_info() -> ClusterInfo:
@@ -236,8 +257,21 @@ def strategy_kind(
             )
         return "mirrored"
     if devices is not None:
+        _check_devices(devices)
         return "mirrored" if len(devices) > 1 else "one_device"
     return "mirrored" if num_gpus >= 2 else "default"
+
+
+def _check_devices(devices) -> None:
+    # A string is a sequence too: "/gpu:0" would mirror over 6 "devices".
+    if (isinstance(devices, (str, bytes)) or not isinstance(devices, Sequence)
+            or not devices
+            or not all(isinstance(d, str) and d for d in devices)):
+        raise ValueError(
+            f"devices must be a non-empty list of device names such as "
+            f"['/gpu:0', '/gpu:1'], got {devices!r}. Leave it None to use "
+            "every local GPU."
+        )
 
 
 def configure_virtual_cpus(n: int) -> list:
@@ -286,6 +320,7 @@ def auto_strategy(
     virtual_cpus: Optional[int] = None,
     devices: Optional[Sequence[str]] = None,
     cross_device_ops: Any = None,
+    startup_timeout: Optional[float] = 300.0,
 ) -> tf.distribute.Strategy:
     """Picks the `tf.distribute.Strategy` that fits this process.
 
@@ -311,6 +346,12 @@ def auto_strategy(
             servers without NVLink; or a
             `tf.distribute.experimental.CommunicationOptions` for a
             multi-worker one.
+        startup_timeout: Defaults to 300 seconds. How long a worker of a
+            multi-worker cluster waits for every other worker to connect
+            (TensorFlow alone waits forever, silently). When it runs out,
+            a `RuntimeError` names the workers that never connected
+            (nothing listening at their `TF_CONFIG` address). `None` waits
+            without limit, as TensorFlow does. Ignored without a cluster.
 
     Returns:
         The strategy. Build and compile models inside `strategy.scope()`.
@@ -318,7 +359,8 @@ def auto_strategy(
     Raises:
         ValueError: on a malformed `TF_CONFIG` or conflicting arguments.
         RuntimeError: when TensorFlow already initialised its devices and the
-            chosen strategy needs to configure them.
+            chosen strategy needs to configure them, or when the workers of
+            a cluster did not all connect within `startup_timeout`.
 
     Example:
 
@@ -326,11 +368,19 @@ def auto_strategy(
     >>> strategy.num_replicas_in_sync  # doctest: +SKIP
     2
     """
+    if startup_timeout is not None and (
+            isinstance(startup_timeout, bool)
+            or not isinstance(startup_timeout, (int, float))
+            or not startup_timeout > 0):
+        raise ValueError(
+            f"startup_timeout must be a positive number of seconds or None "
+            f"(wait without limit), got {startup_timeout!r}."
+        )
     info = cluster_info()
     num_gpus = len(tf.config.list_physical_devices("GPU"))
     kind = strategy_kind(info, num_gpus, virtual_cpus, devices)
     if kind == "multi_worker":
-        return _multi_worker_strategy(info, cross_device_ops)
+        return _multi_worker_strategy(info, cross_device_ops, startup_timeout)
     if virtual_cpus is not None:
         devices = configure_virtual_cpus(virtual_cpus)
     if kind == "one_device":
@@ -358,16 +408,21 @@ def _check_cross_device_ops(value, expected_type) -> None:
         )
 
 
-def _multi_worker_strategy(info: ClusterInfo, communication_options):
+def _multi_worker_strategy(info: ClusterInfo, communication_options,
+                           startup_timeout: Optional[float]):
     from keras_mgpu import compat
 
     _check_cross_device_ops(
         communication_options, tf.distribute.experimental.CommunicationOptions
     )
+    if startup_timeout is not None and info.task_type in _TRAINING_TASK_TYPES:
+        compat.set_cluster_startup_timeout(startup_timeout)
     try:
         strategy = tf.distribute.MultiWorkerMirroredStrategy(
             communication_options=communication_options
         )
+    except tf.errors.DeadlineExceededError:
+        raise _startup_error(info, startup_timeout) from None
     except (RuntimeError, ValueError) as e:
         raise RuntimeError(
             "Could not create MultiWorkerMirroredStrategy for worker "
@@ -377,6 +432,43 @@ def _multi_worker_strategy(info: ClusterInfo, communication_options):
         ) from e
     compat.enable_multi_worker_fit()
     return strategy
+
+
+def _training_addresses(info: ClusterInfo) -> list:
+    """(worker rank, "host:port") of every training task, chief first."""
+    addresses = [a for t in _TRAINING_TASK_TYPES for a in info.cluster.get(t, ())]
+    return list(enumerate(addresses))
+
+
+def _listening(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)),
+                                      timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+def _startup_error(info: ClusterInfo, timeout: float) -> RuntimeError:
+    missing = [
+        f"worker {rank} ({address})"
+        for rank, address in _training_addresses(info)
+        if rank != info.worker_index and not _listening(address)
+    ]
+    if missing:
+        why = (f"these workers never connected (nothing listens at their "
+               f"TF_CONFIG address): {', '.join(missing)}. Start them with "
+               "the same TF_CONFIG cluster, or fix the addresses.")
+    else:
+        why = ("every worker listens at its address, yet the cluster did not "
+               "form: check that all workers were started with the same "
+               "TF_CONFIG cluster, within startup_timeout of each other.")
+    return RuntimeError(
+        f"Worker {info.worker_index} of {info.num_workers} waited "
+        f"{timeout:g} s for the cluster to start; {why} "
+        "auto_strategy(startup_timeout=None) waits without limit."
+    )
 
 
 def _resolve(strategy):

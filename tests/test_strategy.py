@@ -17,7 +17,7 @@ def tf_config(cluster, task_type="worker", index=0):
 
 
 TWO_WORKERS = {"worker": ["localhost:1", "localhost:2"]}
-CHIEF_AND_TWO = {"chief": ["h:0"], "worker": ["h:1", "h:2"]}
+CHIEF_AND_TWO = {"chief": ["h:3"], "worker": ["h:1", "h:2"]}
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -44,9 +44,17 @@ def test_parse_tf_config(text, expected):
     (tf_config({"worker": []}), "'cluster.worker' must be a non-empty"),
     (tf_config({"worker": ["nohostport"]}), "address 'nohostport'"),
     (tf_config({"worker": [5]}), "address 5"),
+    (tf_config({"worker": ["h:abc"]}), "address 'h:abc'"),
+    (tf_config({"worker": ["h:99999"]}), "address 'h:99999'"),
+    (tf_config({"worker": ["h:0"]}), "port from 1 to 65535"),
+    (tf_config({"worker": [":12"]}), "address ':12'"),
+    (tf_config({"worker": ["h:1", "h:1"]}), "'h:1' twice (worker:0 and worker:1)"),
+    (tf_config({"chief": ["h:1"], "worker": ["h:1"]}, "chief"),
+     "'h:1' twice (chief:0 and worker:0)"),
     (tf_config({"chief": ["h:1", "h:2"]}, "chief"), "at most one chief"),
     (json.dumps({"cluster": TWO_WORKERS}), "'task' must be an object"),
     (tf_config(TWO_WORKERS, "chief"), "'task.type' is 'chief'"),
+    (tf_config({"worker": ["[::1]:7", "[::1]:8"]}, index=9), "'task.index' is 9"),
     (tf_config(TWO_WORKERS, index=2), "'task.index' is 2"),
     (tf_config(TWO_WORKERS, index="0"), "'task.index' is '0'"),
     (json.dumps({"task": {"type": "worker", "index": 0}}), "no 'cluster'"),
@@ -76,7 +84,7 @@ def test_bad_tf_config_in_environment_fails_auto_strategy(monkeypatch):
     (1, 0, None, ["/gpu:0", "/gpu:1"], "mirrored"),
 ])
 def test_selection_table(workers_, gpus, virtual_cpus, devices, kind):
-    cluster = {"worker": [f"h:{i}" for i in range(workers_)]}
+    cluster = {"worker": [f"h:{i + 1}" for i in range(workers_)]}
     info = s.parse_tf_config(tf_config(cluster))
     assert s.strategy_kind(info, gpus, virtual_cpus, devices) == kind
 
@@ -114,6 +122,45 @@ def test_auto_strategy_argument_errors(monkeypatch):
         keras_mgpu.auto_strategy(virtual_cpus=True)
     with pytest.raises(TypeError, match="cross_device_ops='nccl'"):
         keras_mgpu.auto_strategy(virtual_cpus=2, cross_device_ops="nccl")
+
+
+def test_bad_devices_and_startup_timeout_name_the_value(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    for devices in ([], "/gpu:0", ["/cpu:0", 0], ["", "/cpu:0"]):
+        with pytest.raises(ValueError, match="devices must be a non-empty") as e:
+            keras_mgpu.auto_strategy(devices=devices)
+        assert repr(devices) in str(e.value)
+    for timeout in (0, -1, "10", True):
+        with pytest.raises(ValueError, match="startup_timeout") as e:
+            keras_mgpu.auto_strategy(startup_timeout=timeout)
+        assert repr(timeout) in str(e.value)
+
+
+def test_a_worker_that_never_starts_is_named_after_the_startup_timeout():
+    import socket
+
+    from keras_mgpu.launcher import free_ports
+
+    # Worker 1 is a bare listening socket (up, never joins); worker 2
+    # never starts. Only worker 2 may be named.
+    with socket.socket() as up:
+        up.bind(("localhost", 0))
+        up.listen()
+        ports = [free_ports(1)[0], up.getsockname()[1], free_ports(1)[0]]
+        cluster = {"worker": [f"localhost:{p}" for p in ports]}
+        proc = run_python("""
+            import keras_mgpu
+            try:
+                keras_mgpu.auto_strategy(startup_timeout=3)
+            except RuntimeError as e:
+                print("ERROR", e)
+        """, env={"TF_CONFIG": tf_config(cluster)})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(
+        "ERROR Worker 0 of 3 waited 3 s for the cluster to start; these "
+        "workers never connected (nothing listens at their TF_CONFIG "
+        f"address): worker 2 (localhost:{ports[2]}). "), proc.stdout
+    assert "worker 1 (" not in proc.stdout
 
 
 def test_virtual_cpus_after_device_initialisation_is_a_clear_error():
