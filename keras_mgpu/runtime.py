@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import warnings
 import weakref
 from typing import Optional
 
@@ -155,7 +156,10 @@ class TrainingRuntime:
         self._skip_epoch = None
         self._skip_until = 0
         self._skip_now = 0
+        self._skip_samples = None
+        self._call_steps = 1
         self._samples_before_epoch = 0.0
+        self._samples_at_epoch_start = 0.0
         self._epoch_samples_counted = True
         # attempted - applied updates before this run's counting began.
         self._updates_offset = None
@@ -196,6 +200,8 @@ class TrainingRuntime:
         self._epoch_samples_counted = False
         if epoch != self._skip_epoch:
             self._skip_until = 0
+            self._skip_samples = None
+            self._samples_at_epoch_start = self._samples_before_epoch
 
     def train_batch_begin(self, batch: int) -> None:
         if not self._once(("batch", self.epoch, batch)):
@@ -206,6 +212,7 @@ class TrainingRuntime:
             steps = max(min(steps, self._epoch_steps - batch), 1)
         self._steps_before_batch = self.global_step
         self._in_batch = True
+        self._call_steps = steps
         if batch < self._skip_until:
             self.batch_trains = False
             self._skip_now = min(steps, self._skip_until - batch)
@@ -329,9 +336,14 @@ class TrainingRuntime:
     def state(self) -> dict:
         """The counters a backup carries, as plain JSON values."""
         counters = self.counters()
+        seen = counters.samples_seen
         return {
             "global_step": counters.global_step,
-            "samples_seen": counters.samples_seen,
+            "samples_seen": seen,
+            # What a resume mid-epoch skips; by samples, so that it stays
+            # exact under another batch size.
+            "epoch_samples": (None if seen is None
+                              else seen - self._samples_at_epoch_start),
             "updates_offset": self._updates_offset,
             "input_wait_seconds": counters.input_wait_seconds,
             "replicas": strategy_lib.num_replicas(
@@ -357,6 +369,10 @@ class TrainingRuntime:
         self.resumed_here.append(event)
         self._skip_epoch = epoch
         self._skip_until = step_in_epoch
+        epoch_samples = state.get("epoch_samples")
+        self._skip_samples = epoch_samples if step_in_epoch else None
+        self._samples_at_epoch_start = self._samples_before_epoch - (
+            epoch_samples or 0.0)
         # Saved mid-epoch, the epoch's samples so far are in samples_seen;
         # the tracker restarts at 0 for the batches still to train.
         self._epoch_samples_counted = False
@@ -390,7 +406,10 @@ class TrainingRuntime:
                 # Batches the interrupted run trained on: consume them, train
                 # nothing. Empty logs: the metrics may not be built yet.
                 count, self._skip_now = self._skip_now, 0
-                for _ in range(count):
+                element = next(iterator)
+                if self._skip_samples is not None:
+                    count = self._skip_by_samples(element, count)
+                for _ in range(count - 1):
                     next(iterator)
                 return {}
             return step(iterator)
@@ -416,6 +435,37 @@ class TrainingRuntime:
         self._timed = {key: entry for key, entry in self._timed.items()
                        if entry[0] is current}
 
+    def _skip_by_samples(self, element, count: int) -> int:
+        """Batches to skip in this call, now that the first skipped batch
+        shows this run's batch size: the saved epoch's samples are skipped,
+        whatever the size (or the resume is refused if it cannot be exact)."""
+        samples, self._skip_samples = self._skip_samples, None
+        saved_batches = self._skip_until
+        batch = _global_batch(self.model.distribute_strategy, element)
+        if batch * saved_batches == samples:
+            return count
+        saved_batch = samples / saved_batches
+        where = (f"The backup resumed here was saved after {samples:g} "
+                 f"samples of epoch {self.epoch} ({saved_batches} batches of "
+                 f"{saved_batch:g}); this run's batches hold {batch}")
+        if samples % batch or self._call_steps > 1:
+            why = (f"steps_per_execution={self._steps_per_call} skips whole "
+                   "groups of batches" if self._call_steps > 1 else
+                   f"no whole number of them is {samples:g} samples")
+            raise ValueError(
+                f"{where}, and {why}: some samples would be trained twice or "
+                f"never. Resume with the saved global batch size "
+                f"{saved_batch:g}, or start fresh with a new backup_dir."
+            )
+        self._skip_until = int(samples // batch)
+        warnings.warn(
+            f"{where}: skipping {self._skip_until} batches, the same "
+            f"{samples:g} samples. From here on each optimizer step takes "
+            f"{batch} samples, not {saved_batch:g} as in the saved run.",
+            stacklevel=2,
+        )
+        return min(self._call_steps, self._skip_until)
+
     # --- helpers -------------------------------------------------------------
 
     def _once(self, event) -> bool:
@@ -431,6 +481,17 @@ class TrainingRuntime:
         seen = compat.examples_seen(self.model)
         if seen is not None:
             self._samples_before_epoch += seen
+
+
+def _global_batch(strategy, element) -> int:
+    """Samples in one batch `element` of a distributed iterator, over all
+    workers (each worker holds an equal shard)."""
+    leaf = tf.nest.flatten(element)[0]
+    local = sum(int(t.shape[0])
+                for t in strategy.experimental_local_results(leaf))
+    if strategy_lib.is_multi_worker(strategy):
+        return local * strategy_lib.num_workers()
+    return local
 
 
 def _int(value) -> Optional[int]:

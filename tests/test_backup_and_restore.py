@@ -533,3 +533,121 @@ def test_a_save_to_a_full_backup_dir_stops_clearly_and_keeps_the_last(
         assert not [p for p in os.listdir(backup_dir) if p.startswith(".tmp")]
     finished = run_script("roomy", 2)
     assert "finished" in finished.stdout, finished.stderr[-3000:]
+
+
+class _CrashAfter(keras.callbacks.Callback):
+    def __init__(self, batches):
+        super().__init__()
+        self.batches = batches
+
+    def on_train_batch_end(self, batch, logs=None):
+        if int(self.model.optimizer.iterations.numpy()) == self.batches:
+            raise RuntimeError("crash")
+
+
+def _sgd_mlp(dropout=False, accum_steps=None):
+    keras.utils.set_random_seed(3)
+    model = workers.build_mlp()
+    if dropout:
+        model = keras.Sequential([keras.Input((workers.FEATURES,)),
+                                  keras.layers.Dropout(0.1), model])
+    if accum_steps:
+        from keras_mgpu import GradientAccumulationModel
+
+        model = GradientAccumulationModel(model, accum_steps=accum_steps)
+    model.compile(keras.optimizers.SGD(0.05), "mse")
+    return model
+
+
+def _crash_mid_epoch(backup_dir, x, y, **model_kwargs):
+    """Batches of 16, saved and killed after 4 of the epoch's 8 batches."""
+    with pytest.raises(RuntimeError, match="crash"):
+        _sgd_mlp(**model_kwargs).fit(x, y, batch_size=16, epochs=2, shuffle=False,
+                       verbose=0, callbacks=[
+                           BackupAndRestore(str(backup_dir), save_freq=4),
+                           _CrashAfter(4)])
+
+
+def test_a_resume_with_another_batch_size_skips_the_same_samples(tmp_path):
+    x, y = workers.regression_data(128)
+    _crash_mid_epoch(tmp_path / "b", x, y)
+    resumed = _sgd_mlp()
+    with pytest.warns(UserWarning, match="saved after 64 samples of epoch 0 "
+                      r"\(4 batches of 16\); this run's batches hold 32: "
+                      "skipping 2 batches, the same 64 samples"):
+        resumed.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0,
+                    callbacks=[BackupAndRestore(str(tmp_path / "b"))])
+    # The same samples in the same batches, trained once each.
+    expected = _sgd_mlp()
+    for begin, end, size in ((0, 64, 16), (64, 128, 32), (0, 128, 32)):
+        expected.fit(x[begin:end], y[begin:end], batch_size=size,
+                     shuffle=False, verbose=0)
+    assert int(resumed.optimizer.iterations.numpy()) == 4 + 2 + 4
+    assert max_diff(resumed.get_weights(), expected.get_weights()) < 1e-6
+
+
+def test_a_batch_size_that_cannot_skip_exactly_is_refused(tmp_path):
+    x, y = workers.regression_data(128)
+    backup_dir = tmp_path / "b"
+    _crash_mid_epoch(backup_dir, x, y)
+    files = sorted(str(p) for p in backup_dir.rglob("*"))
+    model = _sgd_mlp()
+    with pytest.raises(ValueError) as error:
+        model.fit(x, y, batch_size=24, epochs=2, shuffle=False, verbose=0,
+                  callbacks=[BackupAndRestore(str(backup_dir))])
+    assert ("saved after 64 samples of epoch 0 (4 batches of 16); this run's "
+            "batches hold 24, and no whole number of them is 64 samples"
+            ) in str(error.value)
+    assert "Resume with the saved global batch size 16" in str(error.value)
+    assert sorted(str(p) for p in backup_dir.rglob("*")) == files
+    # Refused before it trained anything: only the restored 4 steps.
+    assert int(model.optimizer.iterations.numpy()) == 4
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda m: m.compile(keras.optimizers.Adam(0.05), "mse"),
+     "optimizer SGD -> Adam"),
+    (lambda m: m.compile(keras.optimizers.SGD(0.05, momentum=0.9), "mse"),
+     "optimizer momentum 0.0 -> 0.9"),
+    (lambda m: m.compile(keras.optimizers.SGD(
+        keras.optimizers.schedules.ExponentialDecay(0.05, 10, 0.5)), "mse"),
+     "optimizer learning_rate.class_name None -> 'ExponentialDecay'"),
+    ("dropout", "holds 0 random-generator state(s) (Dropout, noise and "
+     "other random layers); this model has 1"),
+    ("accum_steps", "accum_steps 1 -> 2"),
+])
+def test_a_resume_that_would_change_the_math_is_refused(tmp_path, change,
+                                                        message):
+    x, y = workers.regression_data(128)
+    backup_dir = tmp_path / "b"
+    accumulating = change == "accum_steps"
+    _crash_mid_epoch(backup_dir, x, y, accum_steps=1 if accumulating else None)
+    files = {str(p): p.read_bytes() for p in backup_dir.rglob("*")
+             if p.is_file()}
+    model = _sgd_mlp(dropout=change == "dropout",
+                     accum_steps=2 if accumulating else None)
+    if callable(change):
+        change(model)
+    with pytest.raises(ValueError) as error:
+        model.fit(x, y, batch_size=16, epochs=2, verbose=0,
+                  callbacks=[BackupAndRestore(str(backup_dir))])
+    assert message in str(error.value)
+    assert "new backup_dir" in str(error.value)
+    assert {str(p): p.read_bytes() for p in backup_dir.rglob("*")
+            if p.is_file()} == files
+
+
+def test_a_learning_rate_changed_by_a_callback_still_resumes(tmp_path):
+    x, y = workers.regression_data(128)
+    backup_dir = str(tmp_path / "b")
+    model = _sgd_mlp()
+    model.optimizer.learning_rate.assign(0.01)  # as ReduceLROnPlateau does
+    with pytest.raises(RuntimeError, match="crash"):
+        model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[
+            BackupAndRestore(backup_dir, save_freq=4), _CrashAfter(4)])
+    resumed = _sgd_mlp()
+    resumed.fit(x, y, batch_size=16, epochs=2, verbose=0,
+                callbacks=[BackupAndRestore(backup_dir)])
+    assert float(resumed.optimizer.learning_rate.numpy()) == pytest.approx(
+        0.01)
+    assert int(resumed.optimizer.iterations.numpy()) == 16

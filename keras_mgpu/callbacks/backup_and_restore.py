@@ -355,6 +355,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 "step_in_epoch": step_in_epoch,
                 "runtime": runtime_state,
                 "architecture": _fingerprint(self.model),
+                "training": _training_config(self.model, self.params),
                 "callbacks": _get_callback_state(self._siblings),
                 "time": time.time(),
             }
@@ -476,7 +477,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             if unusable:
                 self._all_unusable(unusable)
             return
-        self._check_compatible(state, chosen)
+        self._check_compatible(state, chosen, files)
         model = self.model
         if not model.built:
             raise ValueError(
@@ -534,7 +535,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         warnings.warn(f"BackupAndRestore: {message} Training from the start "
                       "(restart_if_unusable=True).", stacklevel=3)
 
-    def _check_compatible(self, state: dict, number: int) -> None:
+    def _check_compatible(self, state: dict, number: int, files: dict) -> None:
         where = f"generation {number} in {self.backup_dir}"
         if state.get("format") != FORMAT_VERSION:
             raise ValueError(
@@ -551,6 +552,21 @@ class BackupAndRestore(keras.callbacks.Callback):
                 "backup_dir for a new architecture, or restore the original "
                 "model code. The backup was left untouched."
             )
+        with np.load(io.BytesIO(files[_EXTRA])) as extra:
+            saved_random = len(extra.files)
+        random = len(_unsaved_variables(self.model))
+        if saved_random != random:
+            raise ValueError(
+                f"The backup ({where}) holds {saved_random} random-generator "
+                f"state(s) (Dropout, noise and other random layers); this "
+                f"model has {random}: its layers changed. Use a new "
+                "backup_dir for the new model, or restore the original model "
+                "code. The backup was left untouched."
+            )
+        saved = state.get("training")
+        if saved is not None:
+            _check_same_training(saved, _training_config(self.model, None),
+                                 where)
 
     def _check_same_generation(self, number: int) -> None:
         total = _sum_over_workers(self._strategy, float(number))
@@ -760,6 +776,75 @@ def _fingerprint(model) -> str:
         for v in model.weights
     ]
     return hashlib.sha256(repr(spec).encode()).hexdigest()
+
+
+def _training_config(model, params) -> dict:
+    """What decides the math of a step, besides the weights: the optimizer
+    (class and hyperparameters) and the accumulation window. The batch size
+    is checked by the runtime as it skips (by samples); replicas may change
+    (the accumulators hold global sums); `epochs` is only recorded."""
+    optimizer = getattr(model, "optimizer", None)
+    return {
+        "optimizer": None if optimizer is None else {
+            "class": type(optimizer).__name__,
+            "config": _hyperparameters(optimizer.get_config()),
+        },
+        "accum_steps": getattr(model, "accum_steps", None),
+        "epochs": (params or {}).get("epochs"),
+    }
+
+
+def _hyperparameters(config):
+    """A JSON copy of an optimizer config without its names (Keras numbers
+    them per process: "adam_1") or its plain learning rate: that is a
+    variable, restored with the weights (ReduceLROnPlateau may have changed
+    it); a schedule's config is kept."""
+    if isinstance(config, dict):
+        return {
+            key: _hyperparameters(value) for key, value in config.items()
+            if key != "name" and not (
+                key == "learning_rate" and isinstance(value, (int, float)))
+        }
+    if isinstance(config, (list, tuple)):
+        return [_hyperparameters(v) for v in config]
+    return json.loads(json.dumps(config, default=repr))
+
+
+def _check_same_training(saved: dict, now: dict, where: str) -> None:
+    changes = []
+    if saved["accum_steps"] != now["accum_steps"]:
+        changes.append(f"accum_steps {saved['accum_steps']} -> "
+                       f"{now['accum_steps']}")
+    old, new = saved["optimizer"], now["optimizer"]
+    if (old is None) != (new is None) or (
+            old is not None and old["class"] != new["class"]):
+        changes.append(f"optimizer {old and old['class']} -> "
+                       f"{new and new['class']}")
+    elif old is not None:
+        flat_old, flat_new = _flatten(old["config"]), _flatten(new["config"])
+        changes += [
+            f"optimizer {key} {flat_old.get(key)!r} -> {flat_new.get(key)!r}"
+            for key in sorted(set(flat_old) | set(flat_new))
+            if flat_old.get(key) != flat_new.get(key)
+        ]
+    if changes:
+        raise ValueError(
+            f"The backup ({where}) was trained differently: "
+            f"{'; '.join(changes)}. Resuming would not continue that run "
+            "(the optimizer's state and schedule would restart or change "
+            "meaning). Compile as the saved run did to resume it, or use a "
+            "new backup_dir to start fresh. The backup was left untouched."
+        )
+
+
+def _flatten(config, prefix: str = "") -> dict:
+    if not isinstance(config, dict):
+        return {prefix: config}
+    flat = {}
+    for key, value in config.items():
+        flat.update(_flatten(value, f"{prefix}{key}." if isinstance(
+            value, dict) else f"{prefix}{key}"))
+    return flat
 
 
 def _stateful_callbacks(callbacks) -> list:
