@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -14,6 +15,15 @@ import tensorflow as tf
 from keras_mgpu.callbacks import (RESTART_EXIT_CODE, BackupAndRestore,
                                   backup_and_restore, list_presets)
 from tests import backup_workers, workers
+
+
+def backup_files(backup_dir):
+    """Each file of backup_dir and its bytes, the owner lock aside (a run
+    that raised leaves it, a refusal releases it)."""
+    from pathlib import Path
+
+    return {str(p): p.read_bytes() for p in sorted(Path(backup_dir).rglob("*"))
+            if p.is_file() and p.name != "LOCK.json"}
 
 
 def max_diff(a, b):
@@ -270,12 +280,12 @@ def test_callback_state_survives_a_restart(tmp_path):
 def test_different_architecture_is_refused_and_backup_kept(tmp_path):
     backup_dir = str(tmp_path / "b")
     fit_in_process(BackupAndRestore(backup_dir, save_freq=8), crash_at=12)
-    before = sorted(os.listdir(backup_dir))
+    before = backup_files(backup_dir)
     other = keras.Sequential([keras.Input((workers.FEATURES,)),
                               keras.layers.Dense(4), keras.layers.Dense(1)])
     with pytest.raises(ValueError, match="different variables"):
         fit_in_process(BackupAndRestore(backup_dir), model=other)
-    assert sorted(os.listdir(backup_dir)) == before
+    assert backup_files(backup_dir) == before
 
 
 def test_incompatible_version_is_refused_and_backup_kept(tmp_path):
@@ -590,7 +600,7 @@ def test_a_batch_size_that_cannot_skip_exactly_is_refused(tmp_path):
     x, y = workers.regression_data(128)
     backup_dir = tmp_path / "b"
     _crash_mid_epoch(backup_dir, x, y)
-    files = sorted(str(p) for p in backup_dir.rglob("*"))
+    files = backup_files(backup_dir)
     model = _sgd_mlp()
     with pytest.raises(ValueError) as error:
         model.fit(x, y, batch_size=24, epochs=2, shuffle=False, verbose=0,
@@ -599,7 +609,7 @@ def test_a_batch_size_that_cannot_skip_exactly_is_refused(tmp_path):
             "batches hold 24, and no whole number of them is 64 samples"
             ) in str(error.value)
     assert "Resume with the saved global batch size 16" in str(error.value)
-    assert sorted(str(p) for p in backup_dir.rglob("*")) == files
+    assert backup_files(backup_dir) == files
     # Refused before it trained anything: only the restored 4 steps.
     assert int(model.optimizer.iterations.numpy()) == 4
 
@@ -622,8 +632,7 @@ def test_a_resume_that_would_change_the_math_is_refused(tmp_path, change,
     backup_dir = tmp_path / "b"
     accumulating = change == "accum_steps"
     _crash_mid_epoch(backup_dir, x, y, accum_steps=1 if accumulating else None)
-    files = {str(p): p.read_bytes() for p in backup_dir.rglob("*")
-             if p.is_file()}
+    files = backup_files(backup_dir)
     model = _sgd_mlp(dropout=change == "dropout",
                      accum_steps=2 if accumulating else None)
     if callable(change):
@@ -633,8 +642,7 @@ def test_a_resume_that_would_change_the_math_is_refused(tmp_path, change,
                   callbacks=[BackupAndRestore(str(backup_dir))])
     assert message in str(error.value)
     assert "new backup_dir" in str(error.value)
-    assert {str(p): p.read_bytes() for p in backup_dir.rglob("*")
-            if p.is_file()} == files
+    assert backup_files(backup_dir) == files
 
 
 def test_a_learning_rate_changed_by_a_callback_still_resumes(tmp_path):
@@ -651,3 +659,71 @@ def test_a_learning_rate_changed_by_a_callback_still_resumes(tmp_path):
     assert float(resumed.optimizer.learning_rate.numpy()) == pytest.approx(
         0.01)
     assert int(resumed.optimizer.iterations.numpy()) == 16
+
+
+_HOLD_BACKUP_DIR = r"""
+import sys
+import time
+import keras
+from keras_mgpu.callbacks import BackupAndRestore
+from tests import workers
+
+x, y = workers.regression_data(64)
+model = workers.build_mlp()
+model.compile("sgd", "mse")
+hold = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: (
+    batch == 1 and (print("HOLDING", flush=True), sys.stdin.readline())))
+model.fit(x, y, batch_size=16, epochs=1, verbose=0,
+          callbacks=[BackupAndRestore(sys.argv[1], save_freq=1), hold])
+print("DONE", flush=True)
+"""
+
+
+def _wait_for_line(proc, text, timeout=120):
+    import selectors
+
+    selector = selectors.DefaultSelector()
+    selector.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if selector.select(deadline - time.monotonic()):
+            line = proc.stdout.readline()
+            if text in line:
+                return
+            if not line:
+                break  # the child exited
+    proc.kill()
+    raise AssertionError(f"no {text!r} from the child: "
+                         f"{proc.communicate()[1][-3000:]}")
+
+
+def test_a_second_live_run_on_one_backup_dir_is_refused(tmp_path):
+    from keras_mgpu.callbacks import BackupDirInUse
+
+    backup_dir = tmp_path / "b"
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="-1",
+               PYTHONPATH=os.getcwd())
+    child = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_BACKUP_DIR, str(backup_dir)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, env=env)
+    try:
+        _wait_for_line(child, "HOLDING")
+        files = sorted(p.name for p in backup_dir.iterdir())
+        x, y = workers.regression_data(64)
+        model = workers.build_mlp()
+        model.compile("sgd", "mse")
+        with pytest.raises(BackupDirInUse) as error:
+            model.fit(x, y, batch_size=16, epochs=1, verbose=0,
+                      callbacks=[BackupAndRestore(str(backup_dir))])
+        assert (f"backup_dir {backup_dir} is in use by another run: pid "
+                f"{child.pid} on host ") in str(error.value)
+        assert sorted(p.name for p in backup_dir.iterdir()) == files
+        assert int(model.optimizer.iterations.numpy()) == 0
+        out, err = child.communicate("go\n", timeout=120)
+    finally:
+        child.kill()
+    assert child.returncode == 0 and "DONE" in out, err[-3000:]
+    # The owner finished and released it: the directory is free again.
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0,
+              callbacks=[BackupAndRestore(str(backup_dir))])

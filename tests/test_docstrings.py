@@ -11,7 +11,8 @@ MODULES = ["keras_mgpu.strategy", "keras_mgpu.compat", "keras_mgpu.launcher",
            "keras_mgpu.layers.fp32_output_head",
            "keras_mgpu.callbacks.backup_and_restore",
            "keras_mgpu.callbacks.distributed_logger", "keras_mgpu.data",
-           "keras_mgpu._doctor", "keras_mgpu._bench", "keras_mgpu.runtime"]
+           "keras_mgpu._doctor", "keras_mgpu._bench", "keras_mgpu.runtime",
+           "keras_mgpu.callbacks._backup_lock"]
 
 
 @pytest.mark.parametrize("name", MODULES)

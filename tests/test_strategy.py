@@ -238,3 +238,21 @@ def test_make_tf_config_round_trips():
     assert (info.num_workers, info.worker_index) == (2, 1)
     with pytest.raises(ValueError, match="'task.index' is 2"):
         s.make_tf_config(["localhost:5"], 2)
+
+
+def test_multi_worker_strategy_makes_tensorflow_swallow_sigterm():
+    """What the README documents: once MultiWorkerMirroredStrategy exists,
+    TensorFlow's preemption notifier handles SIGTERM and the process lives
+    on (without BackupAndRestore(save_on_sigterm=True))."""
+    from keras_mgpu.launcher import free_ports
+
+    proc = run_python("""
+        import os, signal
+        import tensorflow as tf
+        tf.distribute.MultiWorkerMirroredStrategy()
+        # Delivered before kill() returns: the default action ends us here.
+        os.kill(os.getpid(), signal.SIGTERM)
+        print("ALIVE AFTER SIGTERM")
+    """, env={"TF_CONFIG": tf_config({"worker": [f"localhost:{free_ports(1)[0]}"]})})
+    assert proc.returncode == 0, proc.stderr
+    assert "ALIVE AFTER SIGTERM" in proc.stdout

@@ -22,6 +22,7 @@ import tensorflow as tf
 
 from keras_mgpu._checks import is_nonempty_path, is_positive_int
 from keras_mgpu import compat
+from keras_mgpu.callbacks._backup_lock import BackupDirInUse, OwnerLock  # noqa: F401
 from keras_mgpu import strategy as strategy_lib
 from keras_mgpu.runtime import training_runtime
 
@@ -105,6 +106,24 @@ class BackupAndRestore(keras.callbacks.Callback):
     until there is room). Before writing to a local `backup_dir` it checks
     the free space and the file-size limit against the last generation's
     size, since HDF5 can crash the process when a write fails mid-file.
+
+    One run at a time owns `backup_dir`: the chief keeps an owner lock
+    there (`LOCK.json`: host, pid, process start time, a heartbeat every
+    30 s). A second live run is refused with `BackupDirInUse` naming the
+    owner. A lock whose process is gone (same machine), or whose heartbeat
+    is 10 minutes old (another machine), is taken over with a warning, so
+    a rerun after a crash or on a new machine needs nothing removed. The
+    lock is released when `fit` ends, or raises one of this callback's
+    errors; after another exception it stays with this process (its next
+    `fit` takes it again) until the process exits.
+
+    Each generation records what decides the math of a step: the optimizer
+    (class and hyperparameters, not its learning-rate variable, which is
+    restored), `accum_steps` and the random layers. A resume that changes
+    them is refused with the old and new values. A resume mid-epoch skips
+    the samples the interrupted epoch trained on: under another global
+    batch size that divides them it is exact (with a warning), otherwise
+    refused. The replica count may change.
 
     The run's counters (`keras_mgpu.runtime`: global step, samples seen,
     resume history) are saved with each generation and continue after a
@@ -242,9 +261,18 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._save_at_epoch_end = False
         self._epoch_end_save = None
         self._keep_backups = False
+        self._lock = None
         if self._chief:
             _check_writable(self.backup_dir)
-        self._restore()
+            # Before the restore, which sweeps what killed saves left.
+            self._lock = OwnerLock(self.backup_dir)
+            self._lock.acquire()
+        try:
+            self._restore()
+        except BaseException:
+            # Keras skips on_train_end when fit raises: free backup_dir now.
+            self._release_lock()
+            raise
         if self.save_on_sigterm:
             self._install_sigterm_handler()
 
@@ -264,6 +292,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         runtime = self._runtime
         runtime.train_batch_end(batch)
+        self._refresh_lock()
         if not runtime.batch_trains:
             return  # a batch the interrupted run had already trained on
         done = batch + 1
@@ -312,6 +341,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         if not self.delete_on_success:
             self._save_pending_epoch_end()
         compat.set_initial_epoch(self.model, None)
+        self._release_lock()
         if self.delete_on_success and self._chief and not self._keep_backups:
             for name in _entries(self.backup_dir):
                 if name.startswith((_GENERATION_PREFIX, _TMP_PREFIX)):
@@ -320,6 +350,22 @@ class BackupAndRestore(keras.callbacks.Callback):
                     and not _is_link(self.backup_dir)
                     and not _entries(self.backup_dir)):
                 tf.io.gfile.rmtree(self.backup_dir)
+
+    def _release_lock(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def _refresh_lock(self) -> None:
+        if self._lock is None:
+            return
+        try:
+            self._lock.refresh()  # a file write at most every 30 s
+        except (OSError, tf.errors.OpError) as e:
+            # A storage blip: the next batch tries again. Another run taking
+            # the lock over (BackupDirInUse) is not caught: it stops this one.
+            warnings.warn(f"BackupAndRestore: could not refresh the owner "
+                          f"lock of {self.backup_dir} ({e}).", stacklevel=2)
 
     # --- saving -------------------------------------------------------------
 
@@ -368,6 +414,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._commit(tmp, number, files)
         except (OSError, tf.errors.OpError) as e:
             _remove_quietly(tmp)
+            self._release_lock()
             previous = (
                 f"Generation {existing[0]} is intact: make room in (or fix) "
                 "backup_dir and rerun, and the run resumes from it."
