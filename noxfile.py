@@ -21,7 +21,8 @@ PAIRS = {
 }
 
 # Multi-worker fit, accumulation, backup/resume, logger, the runtime under
-# them, and the gates.
+# them, the gates, and the strategy (its start-up deadline uses TensorFlow
+# internals).
 CRITICAL = [
     "tests/test_compat.py",
     "tests/test_multi_worker_fit.py",
@@ -29,6 +30,7 @@ CRITICAL = [
     "tests/test_backup_and_restore.py",
     "tests/test_distributed_logger.py",
     "tests/test_runtime.py",
+    "tests/test_strategy.py",
 ]
 
 
