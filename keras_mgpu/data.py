@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import numpy as np
@@ -18,7 +19,7 @@ from keras_mgpu._checks import (
 from keras_mgpu import strategy as strategy_lib
 
 SPEC_FILE = "spec.json"
-SPEC_VERSION = 1
+SPEC_VERSION = 2  # 2: nested structures (a tree of tuples and dicts)
 
 
 def write_tfrecords(
@@ -30,14 +31,27 @@ def write_tfrecords(
 ) -> list:
     """Writes examples into sharded TFRecord files, with a feature spec beside them.
 
-    Each example holds every feature as a serialized tensor; `spec.json`
-    records the names, dtypes, per-example shapes and the structure (a tuple
-    such as `(x, y)` or a dict), so `tfrecord_dataset` gives back exactly
-    what was written. Examples are dealt to shards round-robin.
+    Each example holds every array (leaf) of the structure as a serialized
+    tensor; `spec.json` records the structure (tuples and dicts nested to
+    any depth, dict keys in their order) and each leaf's dtype and
+    per-example shape, so `tfrecord_dataset` gives back exactly what was
+    written. Examples are dealt to shards round-robin.
+
+    The shards are written under temporary names and renamed, with
+    `spec.json` written last, only once every example is written: a write
+    that is refused or fails leaves no shards or spec of its own behind.
 
     Args:
-        data: A dict of equally long arrays, a tuple/list of them (e.g.
-            `(x, y)`), or an unbatched `tf.data.Dataset` of such structures.
+        data: A single array, or a structure of equally long arrays
+            (numpy arrays or tensors, one example per row): tuples, lists
+            and dicts with `str` keys, nested to any depth, such as
+            `(x, y)`, `(x, (y1, y2))` or `{"a": x, "b": [y, {"c": z}]}`.
+            Or an unbatched `tf.data.Dataset` of such structures, one
+            example per element. Lists are read back as tuples (a
+            `tf.data` element cannot hold a list), any mapping as a
+            `dict`. Leaves are bool, integer, floating, complex or string
+            (read back as `tf.string`) and have one shape in every example;
+            ragged and sparse tensors are refused.
         directory: Where the shards and `spec.json` go (any `tf.io.gfile`
             path, a `str` or `os.PathLike`). Created if missing.
         num_shards: Defaults to 8. Number of files, a positive integer; use
@@ -50,6 +64,14 @@ def write_tfrecords(
     Returns:
         The shard paths.
 
+    Raises:
+        ValueError: Arrays with different numbers of examples (naming each
+            leaf's path, e.g. `[1][0]` or `b.c`, and its length), a batched
+            dataset (a leaf whose first dimension is unknown), an element
+            whose shape differs from the first element's, or no examples.
+        TypeError: Ragged or sparse tensors, namedtuples, non-`str` dict
+            keys, or a dtype that cannot be written (e.g. `object`).
+
     Example:
 
     >>> import numpy as np, tempfile
@@ -58,6 +80,10 @@ def write_tfrecords(
     ...                         num_shards=2)
     >>> [p.rsplit("/", 1)[-1] for p in paths]
     ['data-00000-of-00002.tfrecord', 'data-00001-of-00002.tfrecord']
+    >>> _ = write_tfrecords({"x": np.ones((10, 3)),
+    ...                      "y": (np.arange(10), np.zeros(10))}, d)
+    >>> read_spec(d)["structure"]
+    {'dict': [['x', 'f0'], ['y', {'tuple': ['f1', 'f2']}]]}
     """
     directory = _check_directory(directory)
     if not is_positive_integer(num_shards):
@@ -67,44 +93,53 @@ def write_tfrecords(
         )
     num_shards = int(num_shards)
     _check_stem(name)
-    dataset, structure = _as_dataset(data)
-    names = _flat_names(structure)
-    tf.io.gfile.makedirs(directory or "/")
+    dataset, structure, fields = _as_dataset(data)
     paths = [
         f"{directory}/{name}-{i:05d}-of-{num_shards:05d}.tfrecord"
         for i in range(num_shards)
     ]
-    writers = [tf.io.TFRecordWriter(p) for p in paths]
-    features, count = None, 0
+    spec_path = f"{directory}/{SPEC_FILE}"
+    suffix = f".partial-{uuid.uuid4().hex[:12]}"
+    partials = [p + suffix for p in paths] + [spec_path + suffix]
+    created = not tf.io.gfile.isdir(directory or "/")
+    tf.io.gfile.makedirs(directory or "/")
+    renamed = []
     try:
-        for element in dataset:
-            flat = [tf.convert_to_tensor(t) for t in tf.nest.flatten(element)]
-            if features is None:
-                features = {
-                    n: {"dtype": t.dtype.name, "shape": t.shape.as_list()}
-                    for n, t in zip(names, flat)
-                }
-            example = tf.train.Example(features=tf.train.Features(feature={
-                n: tf.train.Feature(bytes_list=tf.train.BytesList(
-                    value=[tf.io.serialize_tensor(t).numpy()]))
-                for n, t in zip(names, flat)
-            }))
-            writers[count % num_shards].write(example.SerializeToString())
-            count += 1
-    finally:
-        for writer in writers:
-            writer.close()
-    if count == 0:
-        raise ValueError("write_tfrecords got no examples to write.")
-    spec = {
-        "version": SPEC_VERSION,
-        "structure": structure,
-        "features": features,
-        "num_examples": count,
-        "files": [p.rsplit("/", 1)[-1] for p in paths],
-    }
-    with tf.io.gfile.GFile(f"{directory}/{SPEC_FILE}", "w") as f:
-        f.write(json.dumps(spec, indent=1))
+        shapes, count = _write_shards(dataset, fields, partials[:-1])
+        if count == 0:
+            raise ValueError("write_tfrecords got no examples to write.")
+        spec = {
+            "version": SPEC_VERSION,
+            "structure": structure,
+            "features": {
+                n: {"dtype": s.dtype.name, "shape": shape}
+                for (n, _, s), shape in zip(fields, shapes)
+            },
+            "num_examples": count,
+            "files": [p.rsplit("/", 1)[-1] for p in paths],
+        }
+        with tf.io.gfile.GFile(partials[-1], "w") as f:
+            f.write(json.dumps(spec, indent=1))
+        # The old spec goes first: until the new one is in place, the folder
+        # has no spec (a clear error) rather than one that fits no shard.
+        if tf.io.gfile.exists(spec_path):
+            tf.io.gfile.remove(spec_path)
+        for partial, path in zip(partials, paths + [spec_path]):
+            tf.io.gfile.rename(partial, path, overwrite=True)
+            renamed.append(path)
+    except BaseException:
+        for path in partials + renamed:
+            try:
+                if tf.io.gfile.exists(path):
+                    tf.io.gfile.remove(path)
+            except tf.errors.OpError:
+                pass
+        try:
+            if created and not tf.io.gfile.listdir(directory):
+                tf.io.gfile.rmtree(directory)
+        except tf.errors.OpError:
+            pass
+        raise
     return paths
 
 
@@ -115,9 +150,14 @@ def read_spec(directory: str) -> dict:
         directory: The folder of the shards (a `str` or `os.PathLike`).
 
     Returns:
-        The spec: `version`, `structure`, `features`, `num_examples` and
-        `files`. A spec that is not valid JSON or lacks what the reader needs
-        is a `ValueError` naming the file.
+        The spec: `version` (2), `structure`, `features`, `num_examples` and
+        `files`. `structure` is the nesting written, as JSON: a feature name
+        (`"f0"`, a leaf), `{"tuple": [...]}` or `{"dict": [[key, ...],
+        ...]}` (keys in order). `features` maps each feature name to its
+        `dtype` and per-example `shape`. A spec that is not valid JSON, lacks
+        what the reader needs, or has another version (version 1, written
+        before nested structures, included) is a `ValueError` naming the
+        file.
     """
     path = f"{_check_directory(directory)}/{SPEC_FILE}"
     if not tf.io.gfile.exists(path):
@@ -136,11 +176,14 @@ def read_spec(directory: str) -> dict:
         raise _bad_spec(
             path, f"a JSON object expected, got a {type(spec).__name__}"
         )
-    if spec.get("version") != SPEC_VERSION:
+    version = spec.get("version")
+    if version != SPEC_VERSION:
+        older = is_integer(version) and version < SPEC_VERSION
         raise ValueError(
-            f"{path!r} has spec version {spec.get('version')!r}; this "
-            f"keras-mgpu reads version {SPEC_VERSION}. Rewrite the shards "
-            "with keras_mgpu.data.write_tfrecords, or read them with the "
+            f"{path!r} has spec version {version!r}"
+            f"{' (an older keras-mgpu)' if older else ''}; this keras-mgpu "
+            f"reads version {SPEC_VERSION}. Rewrite the shards with "
+            "keras_mgpu.data.write_tfrecords, or read them with the "
             "keras-mgpu that wrote them."
         )
     problem = _spec_problem(spec)
@@ -163,16 +206,14 @@ def _spec_problem(spec: dict) -> Optional[str]:
     if missing:
         return f"missing key(s) {missing}"
     structure, features = spec["structure"], spec["features"]
-    keys = structure.get("dict") if isinstance(structure, dict) else None
-    if not (isinstance(structure, dict) and len(structure) == 1
-            and (isinstance(keys, list)
-                 and all(isinstance(k, str) for k in keys)
-                 or is_integer(structure.get("tuple"))
-                 or "single" in structure)):
-        return f"'structure' is {structure!r}"
+    try:
+        names = _flat_names(structure)
+    except (ValueError, RecursionError) as e:
+        return f"'structure' is {structure!r}: {e}"
+    if len(set(names)) != len(names):
+        return f"'structure' names a feature twice: {names}"
     if not isinstance(features, dict):
         return f"'features' is {features!r}"
-    names = _flat_names(structure)
     if sorted(features) != sorted(names):
         return (f"'features' names {sorted(features)}, 'structure' "
                 f"{sorted(names)}")
@@ -441,69 +482,217 @@ def _bad_record(path: str, index: int, problem: str, error) -> ValueError:
     )
 
 
+def _write_shards(dataset, fields, paths):
+    """Writes `dataset` round-robin into `paths`: (first shapes, count)."""
+    names = [n for n, _, _ in fields]
+    writers = [tf.io.TFRecordWriter(p) for p in paths]
+    shapes, count = None, 0
+    try:
+        for element in dataset:
+            flat = [leaf for _, leaf in _skeleton(element, "", [])[1]]
+            if shapes is None:
+                shapes = [t.shape.as_list() for t in flat]
+            for (_, path, _), shape, t in zip(fields, shapes, flat):
+                if t.shape.as_list() != shape:
+                    raise ValueError(
+                        f"Element {count}, {_field(path)}: shape "
+                        f"{tuple(t.shape.as_list())} differs from element "
+                        f"0's {tuple(shape)}. write_tfrecords writes one "
+                        "example of one fixed shape per element: unbatch a "
+                        "batched dataset first (`dataset.unbatch()`), and "
+                        "pad or resize variable-size examples to one shape "
+                        "(e.g. in `dataset.map`). Nothing was written."
+                    )
+            example = tf.train.Example(features=tf.train.Features(feature={
+                n: tf.train.Feature(bytes_list=tf.train.BytesList(
+                    value=[tf.io.serialize_tensor(t).numpy()]))
+                for n, t in zip(names, flat)
+            }))
+            writers[count % len(writers)].write(example.SerializeToString())
+            count += 1
+    finally:
+        for writer in writers:
+            writer.close()
+    return shapes, count
+
+
 def _parser(spec: dict):
-    names = list(spec["features"])
-    features = spec["features"]
-    structure = spec["structure"]
+    features, structure = spec["features"], spec["structure"]
+    names = _flat_names(structure)
     description = {n: tf.io.FixedLenFeature([], tf.string) for n in names}
 
     def parse(record):
         parsed = tf.io.parse_single_example(record, description)
-        flat = []
-        for n in names:
-            tensor = tf.io.parse_tensor(parsed[n], features[n]["dtype"])
-            tensor = tf.ensure_shape(tensor, features[n]["shape"])
-            flat.append(tensor)
-        return _pack(structure, flat)
+        return _pack(structure, {
+            n: tf.ensure_shape(
+                tf.io.parse_tensor(parsed[n], features[n]["dtype"]),
+                features[n]["shape"])
+            for n in names
+        })
 
     return parse
 
 
 def _as_dataset(data):
-    if isinstance(data, tf.data.Dataset):
-        element = data.element_spec
-        if isinstance(element, Mapping):
-            structure = {"dict": sorted(element)}
-        elif isinstance(element, (tuple, list)):
-            structure = {"tuple": len(element)}
-        else:
-            structure = {"single": 1}
-        return data, structure
-    if isinstance(data, Mapping):
-        keys = sorted(data)
-        arrays = {k: np.asarray(data[k]) for k in keys}
-        _check_lengths(arrays)
-        return tf.data.Dataset.from_tensor_slices(arrays), {"dict": keys}
-    if isinstance(data, (tuple, list)):
-        arrays = tuple(np.asarray(a) for a in data)
-        _check_lengths(dict(enumerate(arrays)))
-        return tf.data.Dataset.from_tensor_slices(arrays), {
-            "tuple": len(arrays)
-        }
-    array = np.asarray(data)
-    return tf.data.Dataset.from_tensor_slices(array), {"single": 1}
+    """`data` as a dataset of examples, its JSON structure and its fields.
 
-
-def _check_lengths(arrays: Mapping) -> None:
-    lengths = {k: len(a) for k, a in arrays.items()}
-    if len(set(lengths.values())) > 1:
+    The fields are `(feature name, path, tf.TensorSpec)`, in the order of
+    `_flat_names(structure)`. Everything that can be refused before writing
+    is refused here.
+    """
+    if not isinstance(data, tf.data.Dataset):
+        structure, leaves = _skeleton(data, "", [])
+        arrays = {n: _as_array(path, leaf)
+                  for n, (path, leaf) in zip(_flat_names(structure), leaves)}
+        if not arrays:
+            raise ValueError(
+                f"write_tfrecords got no arrays to write in {data!r}.")
+        lengths = {path: int(a.shape[0])
+                   for (path, _), a in zip(leaves, arrays.values())}
+        if len(set(lengths.values())) > 1:
+            raise ValueError(
+                "All arrays must have the same number of examples (first "
+                f"dimension), got lengths {lengths}. Each array of the "
+                "structure is one field, holding every example."
+            )
+        if not any(lengths.values()):
+            raise ValueError("write_tfrecords got no examples to write.")
+        # Lists become tuples: from_tensor_slices would stack a list.
+        data = tf.data.Dataset.from_tensor_slices(_pack(structure, arrays))
+    structure, specs = _skeleton(data.element_spec, "", [])
+    if not specs:
         raise ValueError(
-            f"All arrays must have the same number of examples, got lengths "
-            f"{lengths}."
+            f"write_tfrecords got a dataset without tensors: its element_spec "
+            f"is {data.element_spec!r}.")
+    for path, spec in specs:
+        _check_spec(path, spec)
+    names = _flat_names(structure)
+    return data, structure, [(n, p, s) for n, (p, s) in zip(names, specs)]
+
+
+def _skeleton(node, path: str, leaves: list):
+    """The JSON structure of `node`, and its `(path, leaf)`s appended to `leaves`.
+
+    Leaves are named `f0`, `f1`, ... in order: dict items in their order,
+    then tuple and list items. Lists are recorded as tuples.
+    """
+    if isinstance(node, Mapping):
+        pairs = []
+        for key, value in node.items():
+            if not isinstance(key, str):
+                raise TypeError(
+                    f"Dict keys must be str, got {key!r} in {_field(path)}. "
+                    "spec.json stores keys as JSON strings."
+                )
+            pairs.append([key, _skeleton(value, _key_path(path, key),
+                                         leaves)[0]])
+        return {"dict": pairs}, leaves
+    if isinstance(node, tuple) and hasattr(node, "_fields"):
+        raise TypeError(
+            f"{_field(path, first=True)} is a namedtuple "
+            f"({type(node).__name__}): write_tfrecords reads back tuples "
+            "and dicts only. Convert it, e.g. `value._asdict()` (or "
+            "`tuple(value)`), in `dataset.map` for a dataset."
+        )
+    if isinstance(node, (tuple, list)):
+        return {"tuple": [_skeleton(v, f"{path}[{i}]", leaves)[0]
+                          for i, v in enumerate(node)]}, leaves
+    leaves.append((path, node))
+    return f"f{len(leaves) - 1}", leaves
+
+
+def _key_path(path: str, key: str) -> str:
+    if key.isidentifier():
+        return f"{path}.{key}" if path else key
+    return f"{path}[{key!r}]"
+
+
+def _field(path: str, first: bool = False) -> str:
+    """`path` in a message (`first`: at the start of a sentence)."""
+    what = f"field {path}" if path else "the element"
+    return what[0].upper() + what[1:] if first else what
+
+
+def _as_array(path: str, leaf):
+    if isinstance(leaf, (tf.RaggedTensor, tf.SparseTensor)):
+        _check_spec(path, tf.type_spec_from_value(leaf))
+    array = leaf if isinstance(leaf, (tf.Tensor, np.ndarray)) else (
+        np.asarray(leaf))
+    if isinstance(array, np.ndarray) and array.dtype.kind in "OV":
+        raise TypeError(
+            f"{_field(path, first=True)} is an array of dtype "
+            f"{array.dtype}: write_tfrecords writes bool, integer, floating, "
+            "complex and string arrays of one shape per example. Convert it "
+            "(e.g. `np.asarray(x, dtype='float32')`), padding rows of "
+            "different lengths to one."
+        )
+    if len(array.shape) == 0:
+        raise ValueError(
+            f"{_field(path, first=True)} is a scalar ({leaf!r}): every array "
+            "needs a first dimension, one row per example. To write a tuple "
+            "or list of numbers as one array, pass `np.asarray(...)`."
+        )
+    return array
+
+
+def _check_spec(path: str, spec) -> None:
+    what = _field(path, first=True)
+    if isinstance(spec, (tf.RaggedTensorSpec, tf.SparseTensorSpec)):
+        kind = ("ragged" if isinstance(spec, tf.RaggedTensorSpec)
+                else "sparse")
+        fix = ("`x.to_tensor()`" if kind == "ragged"
+               else "`tf.sparse.to_dense(x)`")
+        raise TypeError(
+            f"{what} is a {kind} tensor ({spec}): write_tfrecords writes "
+            f"dense tensors of one shape per example. Convert it with {fix} "
+            "(padding to one shape), e.g. in `dataset.map`."
+        )
+    if not isinstance(spec, tf.TensorSpec):
+        raise TypeError(
+            f"{what} is {spec!r}: write_tfrecords writes tensors nested in "
+            "tuples, lists and dicts."
+        )
+    dtype = spec.dtype
+    if dtype.is_quantized or not (
+            dtype.is_bool or dtype.is_integer or dtype.is_floating
+            or dtype.is_complex or dtype == tf.string):
+        raise TypeError(
+            f"{what} has dtype {dtype.name}: write_tfrecords writes bool, "
+            "integer, floating, complex and string tensors."
+        )
+    if spec.shape.rank and spec.shape[0] is None:
+        raise ValueError(
+            f"{what} has shape {tuple(spec.shape.as_list())} in the "
+            "dataset's element_spec: an unknown first dimension is what "
+            "`dataset.batch()` gives, and write_tfrecords writes one example "
+            "per element. Pass `dataset.unbatch()`; if each element really "
+            "is one example of one fixed shape, declare it (`tf.ensure_shape` "
+            "in `dataset.map`, or the `output_signature` of `from_generator`)."
         )
 
 
-def _flat_names(structure: dict) -> list:
-    if "dict" in structure:
-        return list(structure["dict"])
-    if "tuple" in structure:
-        return [f"f{i}" for i in range(structure["tuple"])]
-    return ["f0"]
+def _flat_names(structure) -> list:
+    """The feature names in `structure`, in order; `ValueError` if malformed."""
+    if isinstance(structure, str):
+        return [structure]
+    if isinstance(structure, dict) and len(structure) == 1:
+        items = structure.get("tuple")
+        if isinstance(items, list):
+            return [n for item in items for n in _flat_names(item)]
+        pairs = structure.get("dict")
+        if isinstance(pairs, list) and all(
+                isinstance(p, list) and len(p) == 2 and isinstance(p[0], str)
+                for p in pairs) and len({p[0] for p in pairs}) == len(pairs):
+            return [n for _, value in pairs for n in _flat_names(value)]
+    raise ValueError(
+        f"{structure!r} is not a feature name, {{'tuple': [...]}} or "
+        "{'dict': [[key, ...], ...]} with distinct keys")
 
 
-def _pack(structure: dict, flat: list):
-    if "dict" in structure:
-        return dict(zip(structure["dict"], flat))
+def _pack(structure, values: Mapping):
+    """The nested value of `structure`, its leaves taken from `values` by name."""
+    if isinstance(structure, str):
+        return values[structure]
     if "tuple" in structure:
-        return tuple(flat)
-    return flat[0]
+        return tuple(_pack(item, values) for item in structure["tuple"])
+    return {key: _pack(value, values) for key, value in structure["dict"]}

@@ -1,5 +1,6 @@
 """keras_mgpu.data: sharded TFRecords written, verified and read back."""
 
+import collections
 import json
 
 import numpy as np
@@ -211,11 +212,18 @@ def test_numpy_shard_count_path_directory_and_bare_pattern(tmp_path,
 
 @pytest.mark.parametrize("content, cause", [
     ("cut", "not valid JSON: "),
-    ('{"version": 1, "structure": {"tuple": 2}, "num_examples": 4}',
-     r"missing key\(s\) \['features'\]"),
+    ('{"version": 2, "structure": {"tuple": ["f0", "f1"]}, '
+     '"num_examples": 4}', r"missing key\(s\) \['features'\]"),
     ("[1]", "a JSON object expected, got a list"),
-    ('{"version": 1, "structure": {"tuple": 2}, "features": {"f0": {}}}',
-     "'features' names"),
+    ('{"version": 2, "structure": {"tuple": ["f0", "f1"]}, '
+     '"features": {"f0": {}}}', "'features' names"),
+    # Version 1's structure, under version 2.
+    ('{"version": 2, "structure": {"tuple": 2}, "features": {}}',
+     "'structure' is {'tuple': 2}: .* is not a feature name"),
+    ('{"version": 2, "structure": {"dict": [["a", "f0"], ["a", "f1"]]}, '
+     '"features": {}}', "with distinct keys"),
+    ('{"version": 2, "structure": {"tuple": ["f0", "f0"]}, '
+     '"features": {"f0": {}}}', "'structure' names a feature twice"),
 ])
 def test_corrupt_spec_names_the_file_and_the_cause(tmp_path, content, cause):
     data.write_tfrecords(arrays(4), str(tmp_path), num_shards=1)
@@ -261,3 +269,245 @@ def test_tfrecord_dataset_refuses_bad_arguments(kwargs, error, match):
               **kwargs}
     with pytest.raises(error, match=match):
         data.tfrecord_dataset(**kwargs)
+
+
+# Nested structures (#16). N examples, several shards: the shards are read
+# round-robin, so the order read back is the order written.
+N = 10
+
+
+def leaves(n=N):
+    rng = np.random.RandomState(1)
+    return {
+        "x": rng.randn(n, 3, 2).astype("float32"),
+        "y": rng.randint(0, 10, n).astype("int64"),
+        "h": rng.randn(n, 2).astype("float16"),
+        "b": rng.rand(n) > 0.5,
+        "c": (rng.randn(n, 2) + 1j * rng.randn(n, 2)).astype("complex64"),
+        "s": np.array([b"s%d" % i * i for i in range(n)]),
+        "u": rng.randint(0, 255, (n, 4)).astype("uint8"),
+    }
+
+
+L = leaves()
+NESTINGS = {
+    "single_array": L["x"],
+    "tuple": (L["x"], L["y"]),
+    "tuple_in_tuple": (L["x"], (L["y"], L["h"])),
+    "dict_in_given_order": {"z": L["x"], "a": L["y"], "m": L["b"]},
+    "dict_of_list_of_dict": {"a": L["x"], "b": [L["y"], {"c": L["h"]}]},
+    "list_of_dicts_deep": [L["u"], {"q": (L["c"], [L["s"]]),
+                                    "p": {"deep": {"er": L["b"]}}}],
+    "odd_keys_and_empty_tuple": {"a.b": L["x"], "a": {"b": L["y"]},
+                                 "0": (L["s"], ())},
+}
+
+
+def expected(structure):
+    """What comes back: lists as tuples (a tf.data element holds no list)."""
+    if isinstance(structure, dict):
+        return {k: expected(v) for k, v in structure.items()}
+    if isinstance(structure, (tuple, list)):
+        return tuple(expected(v) for v in structure)
+    return structure
+
+
+def sliced(structure, index):
+    if isinstance(structure, dict):
+        return {k: sliced(v, index) for k, v in structure.items()}
+    if isinstance(structure, tuple):
+        return tuple(sliced(v, index) for v in structure)
+    return structure[index]
+
+
+def assert_same(got, want, path=""):
+    """Same container types, keys in the same order, dtypes and values."""
+    if isinstance(want, (dict, tuple)):
+        assert type(got) is type(want), (path, type(got), type(want))
+    else:
+        assert isinstance(got, tf.Tensor), (path, type(got))
+    if isinstance(want, dict):
+        assert list(got) == list(want), path
+        for k in want:
+            assert_same(got[k], want[k], f"{path}.{k}")
+    elif isinstance(want, tuple):
+        assert len(got) == len(want), path
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_same(g, w, f"{path}[{i}]")
+    elif want.dtype.kind == "S":
+        assert got.dtype == tf.string, path
+        assert got.numpy().tolist() == want.tolist(), path
+    else:
+        assert got.dtype.as_numpy_dtype == want.dtype, (path, got.dtype)
+        np.testing.assert_array_equal(got.numpy(), want, err_msg=path)
+
+
+@pytest.mark.parametrize("source", ["numpy", "dataset"])
+@pytest.mark.parametrize("nesting", list(NESTINGS))
+def test_any_nesting_round_trips_exactly(tmp_path, nesting, source):
+    structure = NESTINGS[nesting]
+    want = expected(structure)
+    data_in = (structure if source == "numpy"
+               else tf.data.Dataset.from_tensor_slices(want))
+    paths = data.write_tfrecords(data_in, tmp_path, num_shards=3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [p.rsplit("/", 1)[-1] for p in paths] + ["spec.json"])
+    spec = data.read_spec(tmp_path)
+    assert spec["version"] == 2 and spec["num_examples"] == N
+    ds = data.tfrecord_dataset(str(tmp_path / "*.tfrecord"),
+                               per_replica_batch_size=4)
+    batches = list(ds)
+    assert [len(tf.nest.flatten(b)[0]) for b in batches] == [4, 4, 2]
+    for i, batch in enumerate(batches):
+        assert_same(batch, sliced(want, slice(4 * i, 4 * i + 4)))
+    assert data.verify_tfrecords(str(tmp_path / "*.tfrecord")) == N
+
+
+def test_structure_and_features_in_the_spec(tmp_path):
+    x, y = arrays(4)
+    data.write_tfrecords({"b": x, "a": [y, {"c": y}]}, tmp_path, num_shards=2)
+    spec = data.read_spec(tmp_path)
+    assert spec["structure"] == {"dict": [
+        ["b", "f0"], ["a", {"tuple": ["f1", {"dict": [["c", "f2"]]}]}]]}
+    assert spec["features"] == {
+        "f0": {"dtype": "float32", "shape": [3, 2]},
+        "f1": {"dtype": "int64", "shape": []},
+        "f2": {"dtype": "int64", "shape": []},
+    }
+
+
+def test_a_version_1_spec_is_refused_clearly(tmp_path):
+    data.write_tfrecords(arrays(4), tmp_path, num_shards=1)
+    spec_path = tmp_path / "spec.json"
+    spec_path.write_text(json.dumps({
+        "version": 1, "structure": {"tuple": 2}, "num_examples": 4,
+        "features": {"f0": {"dtype": "float32", "shape": [3, 2]},
+                     "f1": {"dtype": "int64", "shape": []}}}))
+    with pytest.raises(ValueError) as info:
+        data.tfrecord_dataset(str(tmp_path / "*.tfrecord"),
+                              per_replica_batch_size=2)
+    message = str(info.value)
+    assert repr(str(spec_path)) in message
+    assert "spec version 1 (an older keras-mgpu); this keras-mgpu reads " \
+        "version 2" in message
+    assert "Rewrite the shards with keras_mgpu.data.write_tfrecords" in message
+
+
+def assert_nothing_left(tmp_path, target):
+    """A refused write leaves no folder (it made it) and no partial file."""
+    assert not target.exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("structure, lengths", [
+    ((L["x"], (L["y"], L["h"][:2])), "{'[0]': 10, '[1][0]': 10, '[1][1]': 2}"),
+    ({"a": L["x"], "b": [L["y"], {"c": L["y"][:3]}]},
+     "{'a': 10, 'b[0]': 10, 'b[1].c': 3}"),
+], ids=["tuple_in_tuple", "dict_of_list_of_dict"])
+def test_leaves_of_different_lengths_are_named(tmp_path, structure, lengths):
+    target = tmp_path / "out"
+    with pytest.raises(ValueError) as info:
+        data.write_tfrecords(structure, target)
+    assert "same number of examples" in str(info.value)
+    assert f"got lengths {lengths}." in str(info.value)
+    assert_nothing_left(tmp_path, target)
+
+
+def test_batched_dataset_is_refused(tmp_path):
+    x, y = arrays(10)
+    target = tmp_path / "out"
+    batched = tf.data.Dataset.from_tensor_slices({"x": x, "y": y}).batch(4)
+    with pytest.raises(ValueError) as info:
+        data.write_tfrecords(batched, target, num_shards=2)
+    message = str(info.value)
+    assert "Field x has shape (None, 3, 2)" in message
+    assert "`dataset.batch()`" in message and "`dataset.unbatch()`" in message
+    assert_nothing_left(tmp_path, target)
+    # As the message says: unbatched, it is written.
+    data.write_tfrecords(batched.unbatch(), target, num_shards=2)
+    assert data.read_spec(target)["num_examples"] == 10
+
+
+def variable_shapes(n=7, odd=5):
+    """Elements (x, {"v": v}) where v of element `odd` has another shape."""
+    def gen():
+        for i in range(n):
+            yield (np.full(2, i, "float32"),
+                   {"v": np.full((2, 3 if i == odd else 1), i, "int32")})
+    return tf.data.Dataset.from_generator(gen, output_signature=(
+        tf.TensorSpec([2], tf.float32),
+        {"v": tf.TensorSpec([2, None], tf.int32)}))
+
+
+def test_variable_shape_dataset_is_refused_and_cleaned_up(tmp_path):
+    target = tmp_path / "out"
+    with pytest.raises(ValueError) as info:
+        data.write_tfrecords(variable_shapes(), target, num_shards=3)
+    message = str(info.value)
+    assert ("Element 5, field [1].v: shape (2, 3) differs from element 0's "
+            "(2, 1).") in message
+    assert "`dataset.unbatch()`" in message and "pad or resize" in message
+    # Five examples were in the shards when it was refused: all removed.
+    assert_nothing_left(tmp_path, target)
+
+
+def test_refused_write_keeps_the_previous_one(tmp_path):
+    x, y = arrays(6)
+    data.write_tfrecords((x, y), tmp_path, num_shards=3)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    with pytest.raises(ValueError, match="differs from element 0's"):
+        data.write_tfrecords(variable_shapes(), tmp_path, num_shards=3)
+    with pytest.raises(ValueError, match="differs from element 0's"):
+        data.write_tfrecords(variable_shapes(), tmp_path, num_shards=2,
+                             name="other")
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    got_x, got_y = collect(data.tfrecord_dataset(
+        str(tmp_path / "*.tfrecord"), per_replica_batch_size=6))
+    np.testing.assert_array_equal(got_x, x)
+    np.testing.assert_array_equal(got_y, y)
+
+
+def test_empty_dataset_is_refused_and_cleaned_up(tmp_path):
+    target = tmp_path / "out"
+    with pytest.raises(ValueError, match="no examples to write"):
+        data.write_tfrecords(tf.data.Dataset.range(0), target, num_shards=2)
+    assert_nothing_left(tmp_path, target)
+    with pytest.raises(ValueError, match="no examples to write"):
+        data.write_tfrecords((np.ones((0, 2)), np.ones(0)), target)
+    assert_nothing_left(tmp_path, target)
+
+
+Point = collections.namedtuple("Point", "x y")
+
+
+@pytest.mark.parametrize("make, error, match", [
+    (lambda: {"a": L["x"], "r": tf.ragged.constant([[1]] * 9 + [[1, 2]])},
+     TypeError, r"Field r is a ragged tensor .*`x\.to_tensor\(\)`"),
+    (lambda: tf.data.Dataset.from_tensor_slices(
+        (L["y"], tf.ragged.constant([[1]] * 9 + [[1, 2]]))),
+     TypeError, r"Field \[1\] is a ragged tensor"),
+    (lambda: tf.data.Dataset.from_tensor_slices(
+        {"sp": tf.sparse.from_dense(np.eye(3))}),
+     TypeError, r"Field sp is a sparse tensor .*tf\.sparse\.to_dense"),
+    (lambda: (L["x"], {"o": np.array([1, "a", None] * 3 + [2], object)}),
+     TypeError, r"Field \[1\]\.o is an array of dtype object"),
+    (lambda: (L["x"], 3), ValueError,
+     r"Field \[1\] is a scalar \(3\): every array needs a first dimension"),
+    (lambda: {"p": Point(L["x"], L["y"])}, TypeError,
+     r"Field p is a namedtuple \(Point\)"),
+    (lambda: {1: L["x"]}, TypeError, "Dict keys must be str, got 1"),
+    (lambda: [L["x"], {"Img": {"O": np.array([None] * 10)}}], TypeError,
+     r"Field \[1\]\.Img\.O is an array of dtype object"),
+    (lambda: tf.data.Dataset.from_generator(
+        lambda: iter([np.ones(2)]),
+        output_signature=tf.TensorSpec([None], tf.float64)),
+     ValueError, r"The element has shape \(None,\).*unknown first dimension"),
+], ids=["ragged_leaf", "ragged_dataset", "sparse_dataset", "object_dtype",
+        "scalar_leaf", "namedtuple", "int_key", "case_kept_in_path",
+        "unknown_first_dim"])
+def test_unwritable_inputs_are_refused_before_writing(tmp_path, make, error,
+                                                      match):
+    target = tmp_path / "out"
+    with pytest.raises(error, match=match):
+        data.write_tfrecords(make(), target)
+    assert_nothing_left(tmp_path, target)
