@@ -13,12 +13,13 @@ callback, `keras.callbacks.BackupAndRestore` and
 - the epoch-time difference to no callback divided by the saves per epoch: a
   cross-check of the direct timing.
 
-Both callbacks keep their defaults otherwise (`delete_checkpoint=True` /
-`delete_on_success=True`, keras-mgpu's `keep=2`): each fit starts without a
-backup and removes it at the end, so nothing is restored. Saves run on the
-training thread in both, so their time adds to the epoch. Configurations
-take turns fit by fit, so drifts in machine load touch them all alike; the
-first epoch of each fit (tracing, first save setup) is not timed.
+Both callbacks keep their defaults otherwise (`delete_checkpoint=True`, one
+checkpoint: Keras's `double_checkpoint=False`, keras-mgpu's `keep=1`): each
+fit starts without a backup and removes it at the end, so nothing is
+restored. Saves run on the training thread in both, so their time adds to
+the epoch. Configurations take turns fit by fit, so drifts in machine load
+touch them all alike; the first epoch of each fit (tracing, first save
+setup) is not timed.
 
 Run from the repository root (about 5 minutes on 2 CPU cores):
 

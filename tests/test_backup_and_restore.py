@@ -214,7 +214,8 @@ def test_corrupt_newest_generation_falls_back_with_a_warning(tmp_path):
 @pytest.mark.parametrize("damage", ["manifest", "checksum", "missing"])
 def test_every_kind_of_damage_is_detected(tmp_path, damage):
     backup_dir = str(tmp_path / "b")
-    fit_in_process(BackupAndRestore(backup_dir, save_freq=8), crash_at=20)
+    fit_in_process(BackupAndRestore(backup_dir, save_freq=8,
+                                    double_checkpoint=True), crash_at=20)
     newest = backup_and_restore._generation_dir(backup_dir, 2)
     if damage == "manifest":
         os.remove(os.path.join(newest, "MANIFEST.json"))
@@ -232,11 +233,18 @@ def test_every_kind_of_damage_is_detected(tmp_path, damage):
 def test_keep_bounds_generations_and_success_deletes(tmp_path):
     kept = str(tmp_path / "kept")
     fit_in_process(BackupAndRestore(kept, save_freq=2, keep=2,
-                                    delete_on_success=False))
+                                    delete_checkpoint=False))
     assert backup_and_restore._generations(kept) == [12, 11]  # 24 / 2 saves
     only = str(tmp_path / "only")
     fit_in_process(BackupAndRestore(only, save_freq=2, keep=1), crash_at=7)
     assert backup_and_restore._generations(only) == [3]
+    # Keras's defaults: one generation; double_checkpoint=True: two.
+    single = str(tmp_path / "single")
+    fit_in_process(BackupAndRestore(single, save_freq=2), crash_at=7)
+    assert backup_and_restore._generations(single) == [3]
+    double = str(tmp_path / "double")
+    fit_in_process(BackupAndRestore(double, 2, True), crash_at=7)
+    assert backup_and_restore._generations(double) == [3, 2]
     deleted = str(tmp_path / "deleted")
     fit_in_process(BackupAndRestore(deleted, save_freq=2))
     assert not os.path.exists(deleted)
@@ -245,7 +253,8 @@ def test_keep_bounds_generations_and_success_deletes(tmp_path):
 def test_ram_filesystem(tmp_path):
     backup_dir = f"ram://keras_mgpu_test/{tmp_path.name}"
     full, _ = fit_in_process(BackupAndRestore(str(tmp_path / "full")))
-    fit_in_process(BackupAndRestore(backup_dir, save_freq=5), crash_at=14)
+    fit_in_process(BackupAndRestore(backup_dir, save_freq=5,
+                                    double_checkpoint=True), crash_at=14)
     assert backup_and_restore._generations(backup_dir) == [2, 1]
     model, history = fit_in_process(BackupAndRestore(backup_dir))
     assert len(history.history["loss"]) == 2
@@ -322,14 +331,37 @@ def test_presets():
     cb = BackupAndRestore.from_preset("preemptible", "/tmp/x", keep=5)
     assert (cb.save_freq, cb.keep, cb.save_on_sigterm) == (
         presets["preemptible"]["save_freq"], 5, True)
+    # Presets keep their explicit `keep`; keep=None falls back to the
+    # Keras meaning of double_checkpoint.
+    assert [BackupAndRestore.from_preset(name, "/tmp/x").keep
+            for name in ("epoch", "preemptible", "multi_worker")] == [2, 2, 3]
+    assert BackupAndRestore.from_preset("epoch", "/tmp/x",
+                                        keep=None).keep == 1
+    assert BackupAndRestore.from_preset("epoch", "/tmp/x", keep=None,
+                                        double_checkpoint=True).keep == 2
+    with pytest.raises(ValueError, match="needs keep >= 2, got keep=1"):
+        BackupAndRestore.from_preset("epoch", "/tmp/x", keep=1,
+                                     double_checkpoint=True)
     with pytest.raises(ValueError, match=r"Unknown .* 'spot'.*'epoch'"):
         BackupAndRestore.from_preset("spot", "/tmp/x")
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"save_freq": 0}, "save_freq must be 'epoch' or a positive"),
-    ({"save_freq": "batch"}, "got 'batch'"),
-    ({"keep": 0}, "keep must be a positive integer, got 0"),
+    ({"save_freq": 0}, "Invalid value for save_freq: 0. Use 'epoch', a "
+     "positive number of batches, or False"),
+    ({"save_freq": True}, "Invalid value for save_freq: True.*that is "
+     "save_freq=1"),
+    ({"save_freq": -2}, "Invalid value for save_freq: -2"),
+    ({"save_freq": "batch"}, "Invalid value for save_freq: 'batch'"),
+    ({"save_freq": 0.15}, "Invalid value for save_freq: 0.15"),
+    ({"save_freq": False}, "save_freq=False makes no periodic saves: only "
+     "the SIGTERM save, which needs save_on_sigterm=True"),
+    ({"keep": 0}, "keep must be None or a positive integer, got 0"),
+    ({"keep": 2.0}, "keep must be None or a positive integer, got 2.0"),
+    ({"double_checkpoint": True, "keep": 1}, r"double_checkpoint=True keeps "
+     r"the previous generation as a fallback, which needs keep >= 2, got "
+     r"keep=1. Pass keep=2 \(or more, or leave keep=None\), or "
+     "double_checkpoint=False"),
 ])
 def test_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -355,7 +387,7 @@ def test_pruning_and_cleanup_never_follow_links(tmp_path):
     model = workers.build_mlp()
     model.compile("sgd", "mse")
     backup = BackupAndRestore(str(backup_dir), save_freq=1, keep=1,
-                              delete_on_success=False,
+                              delete_checkpoint=False,
                               restart_if_unusable=True)
     with pytest.warns(UserWarning, match="Every backup generation .* "
                       "unusable: generation 1 "):
@@ -412,7 +444,8 @@ def test_sigterm_after_a_failed_fit_terminates_the_process(tmp_path):
 def corrupt_generations(backup_dir, model, x, y):
     """Two committed generations, then every one of them damaged."""
     model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[
-        BackupAndRestore(str(backup_dir), save_freq=2, delete_on_success=False)])
+        BackupAndRestore(str(backup_dir), save_freq=2, double_checkpoint=True,
+                         delete_checkpoint=False)])
     numbers = backup_and_restore._generations(str(backup_dir))
     for number in numbers:
         path = backup_dir / f"gen-{number:08d}" / "weights.weights.h5"
@@ -453,7 +486,7 @@ def test_a_rerun_past_the_last_epoch_keeps_the_backups(tmp_path):
     model.compile("sgd", "mse")
     backup_dir = tmp_path / "backup"
     model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[
-        BackupAndRestore(str(backup_dir), delete_on_success=False)])
+        BackupAndRestore(str(backup_dir), delete_checkpoint=False)])
     saved = backup_and_restore._generations(str(backup_dir))
     with pytest.warns(UserWarning, match=r"at epoch 2, but fit\(epochs=2\) "
                       "ends before it: nothing is trained and the backups "
@@ -467,9 +500,15 @@ def test_a_rerun_past_the_last_epoch_keeps_the_backups(tmp_path):
 @pytest.mark.parametrize("kwargs, message", [
     ({"exit_code": 256}, "exit_code must be an integer from 0 to 255"),
     ({"exit_code": "75"}, "exit_code must be an integer"),
-    ({"delete_on_success": "false"}, "delete_on_success must be True or "
+    ({"delete_checkpoint": "false"}, "delete_checkpoint must be True or "
                                      "False, got 'false'"),
     ({"save_on_sigterm": 1}, "save_on_sigterm must be True or False"),
+    ({"double_checkpoint": 1}, "double_checkpoint must be True or False, "
+     "got 1"),
+    ({"delete_checkpoint": None}, "delete_checkpoint must be True or "
+     "False, got None"),
+    ({"restart_if_unusable": "yes"}, "restart_if_unusable must be True or "
+     "False"),
 ])
 def test_bad_flags_and_exit_codes_are_named(tmp_path, kwargs, message):
     with pytest.raises((TypeError, ValueError), match=message):
@@ -511,7 +550,8 @@ if sys.argv[2] == "full":
     resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
 model.fit(x, y, batch_size=16, epochs=int(sys.argv[3]), verbose=0,
           callbacks=[BackupAndRestore(sys.argv[1], save_freq=2,
-                                      delete_on_success=False)])
+                                      double_checkpoint=True,
+                                      delete_checkpoint=False)])
 print("finished", flush=True)
 """
 

@@ -93,10 +93,11 @@ class BackupAndRestore(keras.callbacks.Callback):
     `backup_dir` (TMPDIR is not needed; a URL `backup_dir` stages only the
     weights file locally), moves its files into place and writes its
     manifest (sizes and SHA-256 checksums) last. The last `keep` generations
-    are kept; pruning deletes links, never what they point to. A restore
-    verifies the newest generation and falls back to the previous one, with
-    a warning, if it is truncated, corrupt or incomplete; if every one is,
-    it raises (see `restart_if_unusable`). Paths go through `tf.io.gfile`,
+    are kept (1 by default, 2 with `double_checkpoint=True`); pruning
+    deletes links, never what they point to. A restore verifies the newest
+    generation and falls back to the previous one, with a warning, if it is
+    truncated, corrupt or incomplete; if every one is, it raises (see
+    `restart_if_unusable`). Paths go through `tf.io.gfile`,
     so `gs://` and other TensorFlow filesystems work.
 
     A save that cannot be written (a full disk, a file-size limit, an
@@ -137,30 +138,59 @@ class BackupAndRestore(keras.callbacks.Callback):
     (reading replica-local variables is a collective), only the chief writes
     to `backup_dir`, and all workers resume from the same generation.
 
+    An epoch's end is saved in `on_epoch_end`, as Keras saves it. If an
+    `EarlyStopping`, `ModelCheckpoint` or `ReduceLROnPlateau` comes after
+    this callback in the list, it is saved when the next epoch begins
+    instead, once their `on_epoch_end` has set the state saved with it (a
+    crash in between reruns that epoch): list this callback last to avoid
+    that.
+
     Not restored: the running averages of the interrupted epoch's metrics
     (Keras restarts them each epoch; after a resume they cover the batches
     trained after it), and the order of data shuffled by a process-wide
     random generator: use a deterministic, or per-epoch seeded, input order.
 
+    The first four arguments are those of `keras.callbacks.BackupAndRestore`,
+    in its order and with its meaning, so either class can replace the
+    other. What differs: a resume from a mid-epoch save continues at the
+    saved batch (Keras's callback reruns that epoch from its first batch);
+    generations are verified and written atomically; `save_freq` must be
+    `"epoch"`, `False` or a positive integer (Keras 3.15's callback saves
+    after every batch for `0`, negative values, `True` and `False`); the
+    flags must be `True` or `False`. With one generation (the default) a
+    save killed midway still leaves the previous commit intact (pruning
+    follows the commit), but a generation damaged afterwards has no
+    fallback: the restore raises (see `restart_if_unusable`). Use
+    `double_checkpoint=True`, or `keep`, for a fallback. The presets set
+    `keep` explicitly.
+
     Args:
         backup_dir: Where generations live (local path or any `tf.io.gfile`
             URL). Use one directory per training run.
         save_freq: Defaults to `"epoch"`: save at each epoch's end. An
-            integer `n`: save every `n` batches.
-        keep: Defaults to 2. Generations kept (at least 1).
+            integer `n >= 1`: save every `n` batches. `False`: no periodic
+            saves, only the SIGTERM save (needs `save_on_sigterm=True`;
+            Keras documents `False` for preemption checkpointing).
+        double_checkpoint: Defaults to `False`. `True`: keep the previous
+            generation too, as the fallback when the newest is damaged
+            (the same as `keep=2`). `False` with `keep=None` keeps one
+            generation, as Keras keeps one checkpoint.
+        delete_checkpoint: Defaults to `True`: a run that finishes deletes
+            its generations. `False`: keep them.
+        keep: Defaults to `None`: 2 generations if `double_checkpoint`,
+            else 1. An integer `n >= 1`: keep the newest `n` (at least 2
+            if `double_checkpoint=True`). Keyword-only.
         save_on_sigterm: Defaults to `False`. If `True`, SIGTERM (the usual
             preemption notice) makes the callback save at the next batch
-            boundary and exit with `exit_code`.
+            boundary and exit with `exit_code`. Keyword-only.
         exit_code: Defaults to `RESTART_EXIT_CODE` (75, EX_TEMPFAIL): the
             process exit status after a SIGTERM save, so a job runner knows
-            to rerun.
-        delete_on_success: Defaults to `True`: a run that finishes deletes
-            its generations.
+            to rerun. Keyword-only.
         restart_if_unusable: Defaults to `False`: if `backup_dir` holds
             generations and every one is unusable (truncated, corrupt,
             incomplete), raise an error naming them instead of training
             from the start. `True`: warn, leave them, and train from the
-            start.
+            start. Keyword-only.
 
     Example:
 
@@ -168,10 +198,14 @@ class BackupAndRestore(keras.callbacks.Callback):
     >>> from keras_mgpu.callbacks import BackupAndRestore
     >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
     >>> model.compile("sgd", "mse")
-    >>> backup = BackupAndRestore.from_preset(
+    >>> backup = BackupAndRestore(tempfile.mkdtemp(), save_freq=2,
+    ...                           double_checkpoint=True)
+    >>> backup.keep
+    2
+    >>> preset = BackupAndRestore.from_preset(
     ...     "preemptible", tempfile.mkdtemp(), save_freq=2)
     >>> history = model.fit(np.ones((32, 4)), np.ones((32, 1)), batch_size=8,
-    ...                     epochs=2, callbacks=[backup], verbose=0)
+    ...                     epochs=2, callbacks=[preset], verbose=0)
     >>> len(history.history["loss"])
     2
     """
@@ -179,12 +213,13 @@ class BackupAndRestore(keras.callbacks.Callback):
     def __init__(
         self,
         backup_dir: str,
-        save_freq: Union[str, int] = "epoch",
-        keep: int = 2,
+        save_freq: Union[str, int, bool] = "epoch",
+        double_checkpoint: bool = False,
+        delete_checkpoint: bool = True,
+        *,
+        keep: Optional[int] = None,
         save_on_sigterm: bool = False,
         exit_code: int = RESTART_EXIT_CODE,
-        delete_on_success: bool = True,
-        *,
         restart_if_unusable: bool = False,
     ):
         super().__init__()
@@ -192,18 +227,9 @@ class BackupAndRestore(keras.callbacks.Callback):
             raise ValueError(
                 f"backup_dir must be a non-empty path, got {backup_dir!r}."
             )
-        if save_freq != "epoch" and not is_positive_int(save_freq):
-            raise ValueError(
-                f"save_freq must be 'epoch' or a positive number of batches, "
-                f"got {save_freq!r}."
-            )
-        if not is_positive_int(keep):
-            raise ValueError(
-                f"keep must be a positive integer, got {keep!r}: the newest "
-                "generation is always kept."
-            )
-        flags = {"save_on_sigterm": save_on_sigterm,
-                 "delete_on_success": delete_on_success,
+        flags = {"double_checkpoint": double_checkpoint,
+                 "delete_checkpoint": delete_checkpoint,
+                 "save_on_sigterm": save_on_sigterm,
                  "restart_if_unusable": restart_if_unusable}
         for name, value in flags.items():
             if not isinstance(value, bool):
@@ -211,6 +237,40 @@ class BackupAndRestore(keras.callbacks.Callback):
                     f"{name} must be True or False, got {value!r} (a "
                     "non-empty string such as 'false' would count as True)."
                 )
+        if save_freq is False:
+            if not save_on_sigterm:
+                raise ValueError(
+                    "save_freq=False makes no periodic saves: only the "
+                    "SIGTERM save, which needs save_on_sigterm=True. Without "
+                    "it nothing would ever be saved (Keras documents "
+                    "save_freq=False for preemption checkpointing; "
+                    "keras.callbacks.BackupAndRestore in Keras 3 saves after "
+                    "every batch with it). Pass save_on_sigterm=True, or "
+                    "save_freq=1 to save after every batch, or "
+                    "save_freq='epoch'."
+                )
+        elif save_freq != "epoch" and not is_positive_int(save_freq):
+            raise ValueError(
+                f"Invalid value for save_freq: {save_freq!r}. Use 'epoch', a "
+                "positive number of batches, or False (with "
+                "save_on_sigterm=True: save only on SIGTERM). "
+                "keras.callbacks.BackupAndRestore saves after every batch "
+                "for 0, a negative number or True: that is save_freq=1."
+            )
+        if keep is None:
+            keep = 2 if double_checkpoint else 1
+        elif not is_positive_int(keep):
+            raise ValueError(
+                f"keep must be None or a positive integer, got {keep!r}: the "
+                "newest generation is always kept."
+            )
+        elif double_checkpoint and keep < 2:
+            raise ValueError(
+                f"double_checkpoint=True keeps the previous generation as a "
+                f"fallback, which needs keep >= 2, got keep={keep}. Pass "
+                "keep=2 (or more, or leave keep=None), or "
+                "double_checkpoint=False to keep one generation."
+            )
         if (not isinstance(exit_code, int) or isinstance(exit_code, bool)
                 or not 0 <= exit_code <= 255):
             raise ValueError(
@@ -219,10 +279,16 @@ class BackupAndRestore(keras.callbacks.Callback):
             )
         self.backup_dir = str(backup_dir).rstrip("/")
         self.save_freq = save_freq
+        # Batches between periodic saves; None: at epoch ends, or never.
+        self._batch_freq = (
+            None if save_freq == "epoch" or save_freq is False else save_freq)
         self.keep = keep
+        # Whether a previous generation is kept as a fallback (keep >= 2),
+        # however that was asked for.
+        self.double_checkpoint = keep >= 2
+        self.delete_checkpoint = delete_checkpoint
         self.save_on_sigterm = save_on_sigterm
         self.exit_code = exit_code
-        self.delete_on_success = delete_on_success
         self.restart_if_unusable = restart_if_unusable
         self._sigterm = threading.Event()
         self._previous_handler = None
@@ -252,9 +318,14 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._strategy = model.distribute_strategy
         self._chief = strategy_lib.is_chief()
         self._multi_worker = strategy_lib.is_multi_worker(self._strategy)
-        self._siblings = [
-            c for c in (compat.callback_siblings(self) or []) if c is not self
-        ]
+        callbacks = list(compat.callback_siblings(self) or [])
+        self._siblings = [c for c in callbacks if c is not self]
+        # An epoch's end is saved in on_epoch_end, as Keras saves it, unless
+        # a callback whose state is saved comes later in the list: then at
+        # the next epoch's start, when that state is final.
+        mine = next((i for i, c in enumerate(callbacks) if c is self), None)
+        later = [] if mine is None else callbacks[mine + 1:]
+        self._defer_epoch_end = bool(_stateful_callbacks(later))
         self._epoch = 0
         self._last_saved_step = self._runtime.global_step
         self._pending_callback_state = None
@@ -296,9 +367,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         if not runtime.batch_trains:
             return  # a batch the interrupted run had already trained on
         done = batch + 1
-        if self.save_freq != "epoch" and (
-            runtime.global_step // self.save_freq
-            > self._last_saved_step // self.save_freq
+        if self._batch_freq is not None and (
+            runtime.global_step // self._batch_freq
+            > self._last_saved_step // self._batch_freq
         ):
             if done == self.params.get("steps"):
                 # The epoch's last batch: save after its end-of-epoch work
@@ -325,10 +396,13 @@ class BackupAndRestore(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         self._runtime.epoch_end(epoch)
         if self.save_freq == "epoch" or self._save_at_epoch_end:
-            # Saved when the next epoch begins: by then every callback has
-            # run its on_epoch_end (EarlyStopping's `best`, ...).
             self._save_at_epoch_end = False
-            self._epoch_end_save = epoch + 1
+            if self._defer_epoch_end:
+                # Saved when the next epoch begins: by then every callback
+                # has run its on_epoch_end (EarlyStopping's `best`, ...).
+                self._epoch_end_save = epoch + 1
+            else:
+                self._save(epoch + 1, 0)
 
     def _save_pending_epoch_end(self) -> None:
         if self._epoch_end_save is not None:
@@ -338,11 +412,11 @@ class BackupAndRestore(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         self._runtime.train_end()
         self._uninstall_sigterm_handler()
-        if not self.delete_on_success:
+        if not self.delete_checkpoint:
             self._save_pending_epoch_end()
         compat.set_initial_epoch(self.model, None)
         self._release_lock()
-        if self.delete_on_success and self._chief and not self._keep_backups:
+        if self.delete_checkpoint and self._chief and not self._keep_backups:
             for name in _entries(self.backup_dir):
                 if name.startswith((_GENERATION_PREFIX, _TMP_PREFIX)):
                     _remove(_join(self.backup_dir, name))
@@ -394,6 +468,10 @@ class BackupAndRestore(keras.callbacks.Callback):
             tf.io.gfile.makedirs(tmp)
             files = {_WEIGHTS: self._write_weights(tmp)}
             extra, runtime_state = self._read_unsaved_and_state()
+            if step_in_epoch == 0 and runtime_state["epoch_samples"] is not None:
+                # Saved at an epoch's end: the next epoch has trained
+                # nothing yet (what the runtime reports once it begins).
+                runtime_state["epoch_samples"] = 0.0
             state = {
                 "format": FORMAT_VERSION,
                 "keras_mgpu_version": _version(),
