@@ -40,5 +40,5 @@ print("output dtype:", model.outputs[0].dtype)
 print("loss scale:", history.history.get("loss_scale", ["n/a"])[-1],
       "skipped steps:", history.history.get("skipped_steps_total", [0])[-1])
 print("non-finite head inputs:",
-      history.history["head_nonfinite_inputs"][-1])
+      model.get_layer("head").nonfinite_counts["inputs"])
 print(f"test accuracy: {model.evaluate(x_test, y_test, verbose=0)[1]:.3f}")

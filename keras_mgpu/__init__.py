@@ -1,5 +1,14 @@
-"""keras-mgpu: drop-in Keras 3 components for multi-GPU, multi-worker training."""
+"""keras-mgpu: drop-in Keras 3 components for multi-GPU, multi-worker training.
 
+`import keras_mgpu` imports the core submodules (`callbacks`, `compat`,
+`data`, `layers`, `mixed_precision`, `schedules`, `strategy`), which
+registers every serializable class with Keras. The others (`cli`,
+`launcher`, `runtime`, `tuner`) are imported on first access as attributes:
+`keras_mgpu.tuner` imports keras-tuner only then, and raises `ImportError`
+with the install command when it is missing.
+"""
+
+import importlib
 import os
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
@@ -24,6 +33,7 @@ from keras_mgpu import compat  # noqa: E402,F401
 from keras_mgpu import data  # noqa: E402,F401
 from keras_mgpu import layers  # noqa: E402,F401
 from keras_mgpu import mixed_precision  # noqa: E402,F401
+from keras_mgpu import schedules  # noqa: E402,F401
 from keras_mgpu import strategy  # noqa: E402,F401
 from keras_mgpu.accumulation import GradientAccumulationModel  # noqa: E402,F401
 from keras_mgpu.strategy import auto_strategy  # noqa: E402,F401
@@ -34,3 +44,18 @@ from keras_mgpu.strategy import num_workers  # noqa: E402,F401
 from keras_mgpu.strategy import worker_index  # noqa: E402,F401
 
 __version__ = "0.1.0"
+
+# Submodules imported on first attribute access (PEP 562): `tuner` needs the
+# optional keras-tuner, the others are not needed to train.
+_LAZY_SUBMODULES = ("cli", "launcher", "runtime", "tuner")
+
+
+def __getattr__(name):
+    if name in _LAZY_SUBMODULES:
+        # Importing a submodule also sets it as this package's attribute.
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY_SUBMODULES))

@@ -455,7 +455,8 @@ def collect(
             "info", "mixed_precision_float16",
             f"Mixed precision: {policy} ({reason}).",
             "Use mixed_precision.set_policy('auto') and "
-            "mixed_precision.LossScaleMonitor() to watch the loss scale."))
+            "keras_mgpu.callbacks.LossScaleMonitor() to watch the loss "
+            "scale."))
     elif policy == "mixed_bfloat16":
         findings.append(_finding(
             "info", "mixed_precision_bfloat16",

@@ -1,19 +1,24 @@
-"""Mixed precision: pick a policy, audit a model for it, watch the loss scale."""
+"""Mixed precision: pick a policy, audit a model for it, watch the loss scale.
+
+`LossScaleMonitor` and `loss_scale` live in
+`keras_mgpu.callbacks.loss_scale_monitor` and are importable from here too.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import warnings
 from typing import Sequence
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from keras_mgpu import compat
+# Loss-scale telemetry lives with the other callbacks; both names stay
+# importable from here.
+from keras_mgpu.callbacks.loss_scale_monitor import LossScaleMonitor  # noqa: F401
+from keras_mgpu.callbacks.loss_scale_monitor import loss_scale  # noqa: F401
 from keras_mgpu.layers.fp32_output_head import FP32OutputHead
-from keras_mgpu.runtime import training_runtime
 
 logger = logging.getLogger(__name__)
 
@@ -401,166 +406,3 @@ def _check_custom_variables(layers) -> list[Finding]:
                 )
             )
     return findings
-
-
-# --- Loss-scale telemetry ----------------------------------------------------
-
-
-def loss_scale(optimizer) -> float | None:
-    """The current dynamic loss scale of `optimizer`, or None if not loss-scaled.
-
-    Example:
-
-    >>> import keras
-    >>> loss_scale(keras.optimizers.SGD()) is None
-    True
-    """
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        if not optimizer.built:
-            return float(optimizer.initial_scale)
-        return float(np.asarray(optimizer.dynamic_scale))
-    return None
-
-
-class LossScaleMonitor(keras.callbacks.Callback):
-    """Logs the loss scale and the optimizer steps skipped for overflow.
-
-    Adds to the batch and epoch logs of `fit`:
-    - `loss_scale`: the `LossScaleOptimizer`'s current dynamic scale (only
-      when the optimizer is one);
-    - `skipped_steps`: optimizer steps skipped since the epoch began;
-    - `skipped_steps_total`: steps skipped since this callback was created.
-
-    The counts come from the training runtime shared with keras-mgpu's
-    other callbacks (`keras_mgpu.runtime`): an optimizer step attempted (a
-    batch, or a `GradientAccumulationModel` window) that did not advance
-    `optimizer.iterations` was skipped, so a skipped window counts once.
-
-    Warns (`warnings.warn`, `RuntimeWarning`) when the scale falls below
-    `min_scale` and when `max_consecutive_skips` steps in a row are skipped,
-    once per occurrence. Reads three scalars from the device per batch.
-
-    Args:
-        min_scale: Defaults to 1.0. Warn when the loss scale drops below it:
-            gradients that need a scale below 1 overflow float16 even
-            unscaled.
-        max_consecutive_skips: Defaults to 5. Warn after this many skipped
-            steps in a row.
-        log_prefix: Defaults to `""`. Prefix for the three log keys.
-
-    Example:
-
-    >>> import numpy as np, keras
-    >>> from keras_mgpu.mixed_precision import LossScaleMonitor
-    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
-    >>> model.compile(optimizer=keras.optimizers.LossScaleOptimizer(
-    ...     keras.optimizers.SGD()), loss="mse")
-    >>> history = model.fit(np.ones((8, 4)), np.ones((8, 1)), batch_size=4,
-    ...                     callbacks=[LossScaleMonitor()], verbose=0)
-    >>> history.history["loss_scale"], history.history["skipped_steps"]
-    ([32768.0], [0])
-    """
-
-    def __init__(
-        self,
-        min_scale: float = 1.0,
-        max_consecutive_skips: int = 5,
-        log_prefix: str = "",
-    ):
-        super().__init__()
-        if max_consecutive_skips < 1:
-            raise ValueError(
-                "max_consecutive_skips must be >= 1, got "
-                f"{max_consecutive_skips}."
-            )
-        self.min_scale = float(min_scale)
-        self.max_consecutive_skips = int(max_consecutive_skips)
-        self.log_prefix = log_prefix
-        self.skipped_steps = 0
-        self.skipped_steps_total = 0
-        self.consecutive_skips = 0
-        self.loss_scale = None
-        self._last_counts = None
-        self._warned_low_scale = False
-
-    def _optimizer(self):
-        return getattr(self.model, "optimizer", None)
-
-    def on_train_begin(self, logs=None):
-        self._runtime = training_runtime(self.model)
-        self._runtime.train_begin(self)
-        self._last_counts = None
-        self.consecutive_skips = 0
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._runtime.epoch_begin(epoch)
-        self.skipped_steps = 0
-
-    def on_train_batch_begin(self, batch, logs=None):
-        self._runtime.train_batch_begin(batch)
-        if self._last_counts is None:
-            # After any resume (restored in on_train_begin).
-            self._last_counts = self._runtime.update_counts()
-
-    def on_train_batch_end(self, batch, logs=None):
-        logs = logs if logs is not None else {}
-        self._runtime.train_batch_end(batch)
-        attempted, applied = self._runtime.update_counts()
-        last_attempted, last_applied = self._last_counts
-        self._last_counts = attempted, applied
-        if attempted > last_attempted:
-            skipped = (attempted - last_attempted) - (applied - last_applied)
-            if skipped > 0:
-                self.skipped_steps += skipped
-                self.skipped_steps_total += skipped
-                self.consecutive_skips += skipped
-                if self.consecutive_skips >= self.max_consecutive_skips > (
-                        self.consecutive_skips - skipped):
-                    warnings.warn(
-                        f"LossScaleMonitor: {self.consecutive_skips} "
-                        "consecutive optimizer steps skipped for non-finite "
-                        "gradients. Look for NaN/inf in the data or "
-                        "activations (FP32OutputHead counts them), or lower "
-                        "the learning rate.",
-                        RuntimeWarning,
-                        stacklevel=2,
-                    )
-            else:
-                self.consecutive_skips = 0
-        self.loss_scale = loss_scale(self._optimizer())
-        self._check_scale()
-        self._add_to(logs)
-
-    def on_test_begin(self, logs=None):
-        self._runtime.test_begin()
-
-    def on_epoch_end(self, epoch, logs=None):
-        self._runtime.epoch_end(epoch)
-        if logs is not None:
-            self._add_to(logs)
-
-    def on_train_end(self, logs=None):
-        self._runtime.train_end()
-
-    def _check_scale(self):
-        if self.loss_scale is None:
-            return
-        if self.loss_scale < self.min_scale:
-            if not self._warned_low_scale:
-                warnings.warn(
-                    f"LossScaleMonitor: loss scale {self.loss_scale:g} fell "
-                    f"below min_scale={self.min_scale:g}: gradients overflow "
-                    "float16 even unscaled. Check for NaN/inf inputs or "
-                    "labels, or compute the overflowing part in float32.",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-                self._warned_low_scale = True
-        else:
-            self._warned_low_scale = False
-
-    def _add_to(self, logs: dict) -> None:
-        if self.loss_scale is not None:
-            logs[f"{self.log_prefix}loss_scale"] = self.loss_scale
-        logs[f"{self.log_prefix}skipped_steps"] = self.skipped_steps
-        logs[f"{self.log_prefix}skipped_steps_total"] = self.skipped_steps_total

@@ -12,8 +12,8 @@ trial's metrics so results from different cluster sizes can be compared.
 holding the oracle and one worker process per device group.
 
 keras-tuner is an optional dependency: `pip install "keras-mgpu[tuner]"`.
-`import keras_mgpu` does not import this module; use
-`from keras_mgpu import tuner`.
+`import keras_mgpu` does not import this module (nor keras-tuner): the
+first use of `keras_mgpu.tuner`, or `from keras_mgpu import tuner`, does.
 """
 
 from __future__ import annotations
@@ -41,6 +41,9 @@ from keras_mgpu import launcher
 from keras_mgpu import strategy as strategy_lib
 from keras_mgpu.accumulation import GradientAccumulationModel
 from keras_mgpu.callbacks.backup_and_restore import BackupAndRestore
+# Registered for loading on `import keras_mgpu`, which needs no keras-tuner;
+# re-exported here, where it has always been importable from.
+from keras_mgpu.schedules import ScaledSchedule  # noqa: F401
 
 LR_SCALING_RULES = ("linear", "sqrt", None)
 
@@ -389,43 +392,6 @@ class StrategyAwareHyperModel(keras_tuner.HyperModel):
             tuner.get_trial_dir(trial_id), "backup", f"execution_{execution}"
         )
         return BackupAndRestore(directory, save_freq=self.backup, keep=2)
-
-
-@keras.saving.register_keras_serializable(package="keras_mgpu")
-class ScaledSchedule(keras.optimizers.schedules.LearningRateSchedule):
-    """A learning-rate schedule multiplied by a constant factor.
-
-    Args:
-        schedule: The base `LearningRateSchedule`.
-        scale: The factor.
-
-    Example:
-
-    >>> base = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.5)
-    >>> round(float(ScaledSchedule(base, 4.0)(0)), 6)
-    0.4
-    """
-
-    def __init__(self, schedule, scale: float):
-        self.schedule = schedule
-        self.scale = float(scale)
-
-    def __call__(self, step):
-        return self.schedule(step) * self.scale
-
-    def get_config(self):
-        return {
-            "schedule": keras.saving.serialize_keras_object(self.schedule),
-            "scale": self.scale,
-        }
-
-    @classmethod
-    def from_config(cls, config):
-        config = dict(config)
-        config["schedule"] = keras.saving.deserialize_keras_object(
-            config["schedule"]
-        )
-        return cls(**config)
 
 
 def _set_learning_rate(model, base, scale: float) -> None:

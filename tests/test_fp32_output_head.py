@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from keras_mgpu.callbacks import LossScaleMonitor
 from keras_mgpu.layers import FP32OutputHead
 from tests.conftest import mirrored
 
@@ -193,27 +194,63 @@ def test_nonfinite_counts_show_in_fit_logs(replicas):
         # produce non-finite outputs: a forward-pass problem, told apart.
         model.compile(keras.optimizers.LossScaleOptimizer(
             keras.optimizers.SGD()), "sparse_categorical_crossentropy")
+    head = model.get_layer("head")
     history = model.fit(x, y, batch_size=8, epochs=2, verbose=0,
-                        shuffle=False)
+                        shuffle=False, callbacks=[LossScaleMonitor()])
     # One bad feature per poisoned sample reaches the head's input; every
     # one of its CLASSES outputs is then non-finite.
-    assert history.history["head_nonfinite_inputs"] == [2.0, 2.0]
-    assert history.history["head_nonfinite_outputs"] == [6.0, 6.0]
+    assert history.history["head_nonfinite_inputs"] == [2, 2]
+    assert history.history["head_nonfinite_outputs"] == [6, 6]
+    # The head's own totals, over both epochs and all replicas.
+    assert head.nonfinite_counts == {"inputs": 4, "outputs": 12}
+    # Not a metric of the model: Keras neither logs nor resets it.
+    assert "head_nonfinite_inputs" not in [m.name for m in model.metrics]
+    plain = model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
+    assert sorted(plain.history) == ["loss"]
+    assert head.nonfinite_counts == {"inputs": 6, "outputs": 18}
 
     seen = []
 
     class Batches(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
-            seen.append(logs["head_nonfinite_inputs"])
+            seen.append(logs.get("head_nonfinite_inputs"))
 
     clean = np.nan_to_num(x, nan=0.0, posinf=0.0)
-    model.fit(clean, y, batch_size=8, epochs=1, verbose=0,
-              callbacks=[Batches()])
-    assert seen == [0.0, 0.0]
-    model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False,
-              callbacks=[Batches()])
-    # Running per-epoch totals, summed over replicas in the batch logs too.
-    assert seen[2:] == [1.0, 2.0]
+    history = model.fit(clean, y, batch_size=8, epochs=1, verbose=0,
+                        callbacks=[LossScaleMonitor(), Batches()])
+    # Nothing non-finite in this fit: nothing logged.
+    assert seen == [None, None]
+    assert "head_nonfinite_inputs" not in history.history
+    late = clean.copy()
+    late[9, 0] = np.nan
+    history = model.fit(late, y, batch_size=8, epochs=1, verbose=0,
+                        shuffle=False,
+                        callbacks=[LossScaleMonitor(), Batches()])
+    # Logged from the first batch with a non-finite value on, as the
+    # epoch's running total, summed over replicas.
+    assert seen[2:] == [None, 1]
+    assert history.history["head_nonfinite_outputs"] == [3]
+    head.reset_nonfinite_counts()
+    assert head.nonfinite_counts == {"inputs": 0, "outputs": 0}
+
+
+def test_monitor_reports_a_head_nested_in_gradient_accumulation():
+    # Keras collects no metrics of a model nested in another; the monitor
+    # finds the head anyway.
+    from keras_mgpu import GradientAccumulationModel
+
+    x = np.random.RandomState(1).randn(16, FEATURES).astype("float32")
+    x[5, 1] = np.nan
+    keras.utils.set_random_seed(0)
+    model = GradientAccumulationModel(head_model(hidden=False), accum_steps=2)
+    model.compile(keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD()), "sparse_categorical_crossentropy")
+    history = model.fit(x, np.zeros(16, "float32"), batch_size=4, epochs=1,
+                        verbose=0, shuffle=False,
+                        callbacks=[LossScaleMonitor()])
+    assert history.history["head_nonfinite_inputs"] == [1]
+    assert history.history["head_nonfinite_outputs"] == [CLASSES]
+    assert history.history["skipped_steps"] == [1]
 
 
 def test_config_round_trip():
@@ -249,18 +286,19 @@ def test_save_and_load_under_mirrored(policy, tmp_path):
     np.testing.assert_allclose(loaded.predict(x, verbose=0),
                                model.predict(x, verbose=0), rtol=1e-6)
     history = loaded.fit(x, y, batch_size=8, epochs=1, verbose=0)
-    assert history.history["head_nonfinite_inputs"] == [0.0]
+    assert sorted(history.history) == ["loss"]
+    assert head.nonfinite_counts == {"inputs": 0, "outputs": 0}
 
 
-def test_counts_reach_fit_logs_under_multi_worker(run_workers):
-    # The counts are all-reduced inside the replica step, which under
-    # MultiWorkerMirroredStrategy needs a placed input.
+def test_counts_stay_out_of_fit_logs_under_multi_worker(run_workers):
+    # The head counts under MultiWorkerMirroredStrategy (its counters are
+    # replica-local variables); with nothing non-finite, fit's logs are
+    # Keras's own.
     from tests import workers
 
     results = run_workers(workers.multi_worker_fp32_head)
     for r in results:
-        assert r.result["head_nonfinite_inputs"] == [0.0, 0.0]
-        assert r.result["head_nonfinite_outputs"] == [0.0, 0.0]
+        assert sorted(r.result) == ["loss"]
         assert len(r.result["loss"]) == 2
 
 

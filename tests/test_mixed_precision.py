@@ -241,7 +241,10 @@ def monitored_fit(strategy, data, accum_steps=None, epochs=1, **monitor_kw):
 
     class Record(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
-            seen.append(dict(logs))
+            # The window's position, read from the model: whether
+            # GradientAccumulationModel logs it is its own choice.
+            seen.append(dict(logs, micro_step=getattr(
+                self.model, "micro_step", None)))
 
     history = model.fit(data, epochs=epochs, verbose=0, shuffle=False,
                         callbacks=[monitor, Record()])
@@ -273,7 +276,7 @@ def test_monitor_counts_a_skipped_window_once(policy, replicas):
     model, monitor, history, seen = monitored_fit(
         mirrored(replicas), poisoned_batches(12, [5, 6]), accum_steps=4)
     assert int(model.optimizer.iterations.numpy()) == 2
-    assert [s["accum_step"] for s in seen] == [1, 2, 3, 0] * 3
+    assert [s["micro_step"] for s in seen] == [1, 2, 3, 0] * 3
     assert [s["skipped_steps"] for s in seen] == [0] * 7 + [1] * 5
     assert history.history["skipped_steps"] == [1]
     assert history.history["loss_scale"] == [2.0 ** 14]
@@ -302,3 +305,54 @@ def test_monitor_counts_per_epoch_and_total(reset_policy):
     # The same poisoned batch each epoch: one skip per epoch.
     assert history.history["skipped_steps"] == [1, 1]
     assert history.history["skipped_steps_total"] == [1, 2]
+
+
+# --- What keras-mgpu adds to Keras's progress bar -------------------------------
+
+
+LOSS_SCALE_KEYS = ["loss_scale", "skipped_steps", "skipped_steps_total"]
+
+
+def progress_bar_keys(out: str) -> set:
+    """The `name:` fields Keras's progress bar printed."""
+    import re
+
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", out)
+    return set(re.findall(r" - ([A-Za-z_][\w/]*): ", plain))
+
+
+@pytest.mark.parametrize("policy, extra", [
+    ("float32", []),
+    ("mixed_bfloat16", []),  # half precision without a loss scale
+    ("mixed_float16", LOSS_SCALE_KEYS),  # compile adds a LossScaleOptimizer
+], indirect=["policy"], ids=["float32", "mixed_bfloat16", "mixed_float16"])
+def test_progress_bar_shows_only_what_the_run_has(policy, extra, capsys,
+                                                  tmp_path):
+    from keras_mgpu.callbacks import DistributedLogger
+
+    rng = np.random.RandomState(0)
+    x = rng.randn(32, 4).astype("float32")
+    y = (np.arange(32) % 3).astype("float32")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8),
+                              FP32OutputHead(3, activation="softmax",
+                                             name="head")])
+    model.compile("adam", "sparse_categorical_crossentropy",
+                  metrics=["accuracy"])
+    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer) \
+        == bool(extra)
+    capsys.readouterr()
+    history = model.fit(
+        x, y, batch_size=8, epochs=2, verbose=1, validation_data=(x, y),
+        callbacks=[LossScaleMonitor(),
+                   DistributedLogger(tmp_path, update_freq=2, console=False)])
+    out = capsys.readouterr().out
+    keras_keys = ["accuracy", "loss", "val_accuracy", "val_loss"]
+    assert sorted(history.history) == sorted(keras_keys + extra)
+    assert progress_bar_keys(out) == set(keras_keys + extra)
+    if extra:
+        assert history.history["skipped_steps_total"] == [0, 0]
+        assert history.history["loss_scale"] == [2.0 ** 15] * 2
+    # Nothing was non-finite, and the head counted nothing.
+    assert model.get_layer("head").nonfinite_counts == \
+        {"inputs": 0, "outputs": 0}

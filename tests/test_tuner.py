@@ -76,6 +76,25 @@ def test_missing_keras_tuner_gives_install_hint(monkeypatch):
         importlib.import_module("keras_mgpu.tuner")
 
 
+def test_scaled_schedule_lives_outside_the_tuner_module():
+    # Registered by `import keras_mgpu`; the tuner re-exports it.
+    import keras_mgpu
+
+    assert keras_mgpu.tuner is mgpu_tuner
+    assert mgpu_tuner.ScaledSchedule is keras_mgpu.schedules.ScaledSchedule
+    assert keras.saving.get_registered_object("keras_mgpu>ScaledSchedule") \
+        is keras_mgpu.schedules.ScaledSchedule
+    base = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.5)
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(keras.optimizers.SGD(base), "mse")
+    mgpu_tuner._set_learning_rate(model, 0.1, 2.0)
+    schedule = model.optimizer.get_config()["learning_rate"]
+    assert schedule["registered_name"] == "keras_mgpu>ScaledSchedule"
+    assert schedule["module"] == "keras_mgpu.schedules"
+    again = keras.saving.deserialize_keras_object(schedule)
+    assert round(float(again(10)), 6) == 0.1
+
+
 # --- searches -------------------------------------------------------------------
 
 

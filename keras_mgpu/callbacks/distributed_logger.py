@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import importlib.util
 import os
+import sys
 import time
 import warnings
 from typing import Optional, Union
@@ -13,6 +14,7 @@ from typing import Optional, Union
 import keras
 import numpy as np
 import tensorflow as tf
+from absl import logging as absl_logging
 
 from keras_mgpu._checks import is_nonempty_path, is_positive_int
 from keras_mgpu import strategy as strategy_lib
@@ -309,7 +311,7 @@ class DistributedLogger(keras.callbacks.Callback):
             self._submit(record)
             if self.console:
                 self._pending_console = _console_line(record)
-            if self.params and self.params.get("verbose") != 1:
+            if not _shows_progress_bar(self.params):
                 self._flush_console()
 
     def on_train_end(self, logs=None):
@@ -345,7 +347,7 @@ class DistributedLogger(keras.callbacks.Callback):
                     "resume", event.epoch, event.step, {}, {}, None,
                     resume={**dataclasses.asdict(event), "text": text}))
                 if self.console:
-                    print(f"DistributedLogger: {text}.", flush=True)
+                    self._print_console(f"DistributedLogger: {text}.")
 
     def _finish_epoch(self):
         if self._epoch_span.steps == 0:
@@ -482,9 +484,27 @@ class DistributedLogger(keras.callbacks.Callback):
         return gathered.reshape(self._workers, -1, row.size)[:, 0]
 
     def _flush_console(self):
+        """Prints the pending epoch line.
+
+        Keras's progress bar (`ProgbarLogger`, after this callback in `fit`'s
+        list) ends its epoch line in its own `on_epoch_end`, which runs after
+        this callback's: with a progress bar (`verbose` 1, 2 or "auto"; the
+        default "auto" is 1) the epoch line waits for the next epoch's begin
+        or the end of training, where Keras's line is complete, so it never
+        lands inside the bar's line nor before Keras's own epoch summary.
+        """
         if self._pending_console is not None:
-            print(self._pending_console, flush=True)
-            self._pending_console = None
+            line, self._pending_console = self._pending_console, None
+            self._print_console(line)
+
+    def _print_console(self, text: str) -> None:
+        """Prints `text` on a line of its own, where Keras prints its own.
+
+        Only called where no progress-bar line is open: at an epoch's or
+        the training's begin or end (after the bar's last line, which ends
+        in a newline), or at an epoch's end without a bar.
+        """
+        _print_msg(text)
 
     # --- Profiler ------------------------------------------------------------
 
@@ -688,6 +708,23 @@ def _record(kind, epoch, step, measured, common, metrics, resume=None) -> dict:
               "step": step, "time": time.time(), "metrics": metrics,
               "resume": resume}
     return {key: values.get(key) for key in JSONL_KEYS}
+
+
+def _print_msg(text: str) -> None:
+    """Keras's own `print_msg` (`keras/src/utils/io_utils.py`), which its
+    progress bar prints with, from public API: a line on stdout, flushed, or
+    an absl log line when Keras's interactive logging is off."""
+    if keras.config.is_interactive_logging_enabled():
+        sys.stdout.write(f"{text}\n")
+        sys.stdout.flush()
+    else:
+        absl_logging.info(text)
+
+
+def _shows_progress_bar(params) -> bool:
+    """Whether `fit` (or a `CallbackList` with `add_progbar=True`) shows
+    Keras's progress bar: `verbose` 1, 2 or "auto" in the callback params."""
+    return bool((params or {}).get("verbose", 0))
 
 
 def _console_line(record: dict) -> str:

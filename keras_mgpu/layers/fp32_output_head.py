@@ -22,11 +22,11 @@ _NOT_DENSE_KWARGS = ("name", "units", "activation", "dtype", "trainable")
 class _ReplicaSummedCount(keras.metrics.Sum):
     """A `Sum` whose result is the total over all replicas, in every context.
 
-    Metric variables are per-replica (sync on read, summed on read), but
-    `fit` reads results inside the replica step and then averages them over
-    replicas for its batch logs; a count read there would come out divided
-    by the replica count. The replica-context result is therefore
-    all-reduced first.
+    Metric variables are per-replica (sync on read, summed on read): read
+    outside the replica step (a callback, `nonfinite_counts`) the result is
+    already the total. Read inside the replica step, where Keras would then
+    average it over replicas, it would come out divided by the replica
+    count, so the replica-context result is all-reduced first.
     """
 
     def result(self):
@@ -57,12 +57,16 @@ class FP32OutputHead(keras.layers.Layer):
     logits, while `predict` still returns probabilities.
 
     It also counts the non-finite values (inf, NaN) of its input and its
-    output. Both counts show in `fit` and `evaluate` logs as
-    `<name>_nonfinite_inputs` and `<name>_nonfinite_outputs` (summed over
-    replicas and over the epoch so far), which tells a forward-pass overflow
-    apart from a gradient overflow. Only a model's own layers report metrics:
-    when the model is nested in another model (for example
-    `keras_mgpu.GradientAccumulationModel`), Keras does not collect them.
+    output in every forward pass (`fit`, `evaluate`, `predict`), summed over
+    replicas, which tells a forward-pass overflow apart from a gradient
+    overflow. The counts are not Keras metrics, so they do not fill `fit`'s
+    progress bar and logs with zeros: read them with `nonfinite_counts`
+    (totals since the head was created or loaded: they are not saved;
+    exact up to 2**24), restart them with `reset_nonfinite_counts()`, or add
+    `keras_mgpu.callbacks.LossScaleMonitor` to `fit`, which logs them per
+    epoch as `<name>_nonfinite_inputs` and `<name>_nonfinite_outputs` once
+    one is non-zero (for a nested model and a
+    `keras_mgpu.GradientAccumulationModel` too).
 
     Args:
         units: Number of outputs (classes, or 1 for a binary head): a
@@ -89,6 +93,10 @@ class FP32OutputHead(keras.layers.Layer):
     'float32'
     >>> model.predict(np.ones((2, 4)), verbose=0).sum(axis=-1).round(3)
     array([1., 1.], dtype=float32)
+    >>> # One NaN feature reaches all 8 hidden units, then every output.
+    >>> _ = model.predict(np.array([[1.0, np.nan, 0.0, 0.0]]), verbose=0)
+    >>> model.layers[-1].nonfinite_counts
+    {'inputs': 8, 'outputs': 3}
     >>> keras.mixed_precision.set_global_policy("float32")
     """
 
@@ -146,6 +154,36 @@ class FP32OutputHead(keras.layers.Layer):
         self.nonfinite_outputs = _ReplicaSummedCount(
             name=f"{self.name}_nonfinite_outputs"
         )
+
+    @property
+    def metrics(self):
+        # The non-finite counters are the head's own state, not metrics of
+        # the model: Keras would log (and reset) every metric of its layers
+        # at every batch, zeros included.
+        counters = (getattr(self, "nonfinite_inputs", None),
+                    getattr(self, "nonfinite_outputs", None))
+        return [m for m in super().metrics
+                if not any(m is counter for counter in counters)]
+
+    @property
+    def nonfinite_counts(self) -> dict:
+        """Non-finite values seen so far, over all replicas.
+
+        `{"inputs": n, "outputs": n}`: inf and NaN entries of the head's
+        inputs and outputs, over every forward pass since the head was
+        created or loaded, or since `reset_nonfinite_counts()`. Reading
+        them waits for the device; under `MultiWorkerMirroredStrategy` it
+        is a collective, for every worker to make.
+        """
+        return {
+            "inputs": int(round(float(self.nonfinite_inputs.result()))),
+            "outputs": int(round(float(self.nonfinite_outputs.result()))),
+        }
+
+    def reset_nonfinite_counts(self) -> None:
+        """Sets both non-finite counts back to 0."""
+        self.nonfinite_inputs.reset_state()
+        self.nonfinite_outputs.reset_state()
 
     @property
     def activation_name(self) -> str:
