@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import weakref
 
 import keras
@@ -32,7 +33,7 @@ class GradientAccumulationModel(keras.Model):
     accumulates its own gradients locally; the window's last micro-batch does
     exactly one cross-replica all-reduce (gradients and sample counts in one
     batch), then one optimizer update. The other micro-batches communicate
-    nothing.
+    nothing (except in float8 training, below).
 
     Under `mixed_float16` (a `LossScaleOptimizer`), the finite check is made
     on the all-reduced window gradient, so every replica agrees; a window with
@@ -42,20 +43,41 @@ class GradientAccumulationModel(keras.Model):
     weights stay finite. `mixed_bfloat16` needs no loss scale.
 
     The accumulators, the sample count and the micro-step counter are
-    variables of this model, so `save_weights`, `model.save` and checkpoints
+    saved with this model, so `save_weights`, `model.save` and checkpoints
     carry a half-finished window. The accumulators hold sums of per-sample
     gradients over the window's samples, whatever the replica count (each
     replica holds its share; reading sums them), so a window saved on 2
-    replicas resumes exactly on 1 or 4 with the same global batch.
+    replicas resumes exactly on 1 or 4 with the same global batch. They are
+    not weights of the model: `weights`, `get_weights`, `count_params` and
+    `summary` show the wrapped model's parameters only, as the wrapped model
+    itself would.
+
+    Variables with `overwrite_with_gradient` (the scales and amax histories
+    of layers quantized with `model.quantize("float8")`) are handled as
+    Keras's optimizer handles them: their "gradient" is their new value,
+    unweighted by the sample count and never clipped; the window keeps its
+    elementwise maximum over the micro-batches (as
+    `gradient_accumulation_steps` does) and over the replicas, and the
+    window's update overwrites them with it. On more than one replica, that
+    maximum is taken on every micro-batch (one small all-gather of these
+    variables, a few kilobytes per quantized layer), so a saved window holds
+    it; models without such variables communicate nothing between updates.
 
     The window is public state (as optax's `MultiSteps` makes it):
     `micro_step`, `update_count`, `has_updated` and `grad_norm`, and
     `window_variables` for reading them inside a compiled function.
 
     BatchNormalization sees each micro-batch, not the big batch: its batch
-    statistics and moving averages are per micro-batch, as in plain `fit` at
-    the micro-batch size. `BatchNormalization(synchronized=True)` computes
-    them over all replicas' micro-batches.
+    statistics are the micro-batch's and its moving averages are updated
+    once per micro-batch (N times per optimizer step), as in plain `fit` at
+    the micro-batch size and with Keras's `gradient_accumulation_steps`; so
+    a model with BatchNormalization does not train exactly as on the big
+    batch. `BatchNormalization(synchronized=True)` computes them over all
+    replicas' micro-batches.
+
+    The wrapper has the wrapped model's `output_names`: losses, metrics,
+    loss weights and targets keyed by output name work as they do for the
+    wrapped model.
 
     The loss is assumed to be a mean over samples (Keras's default
     `"sum_over_batch_size"` reduction).
@@ -74,11 +96,20 @@ class GradientAccumulationModel(keras.Model):
             `"carry"`: keep accumulating into the next epoch (and the next
             `fit` call);
             `"drop"`: discard it.
+        log_window: Defaults to `False`. Whether `fit` adds the window's
+            state to its logs (and so to the progress bar and `History`):
+            `grad_norm` (global norm of the gradient of the last applied
+            step, before clipping) and `accum_step` (micro-batches in the
+            current window after this batch; 0 right after an update).
         **kwargs: Passed to `keras.Model` (e.g. `name`).
 
-    Logs: `fit` adds `grad_norm` (global norm of the gradient of the last
-    applied step, before clipping) and `accum_step` (micro-batches in the
-    current window after this batch; 0 right after an update).
+    Logs: by default `fit` logs exactly what it logs for the wrapped model
+    (the loss and the compiled metrics). The window's state changes once
+    per optimizer step at most, so it stays off the progress bar; it is
+    always readable as `grad_norm` and `micro_step` (and
+    `window_variables` in compiled code), in `keras_mgpu.runtime`'s
+    counters and in `keras_mgpu.callbacks.DistributedLogger`'s records.
+    `log_window=True` adds it to the logs.
 
     Example:
 
@@ -90,6 +121,8 @@ class GradientAccumulationModel(keras.Model):
     >>> _ = model.fit(x, y, batch_size=8, epochs=1, verbose=0)
     >>> int(model.optimizer.iterations.numpy())  # 8 micro-batches / 4
     2
+    >>> model.count_params() == inner.count_params()  # no accumulators
+    True
     """
 
     def __init__(
@@ -97,15 +130,21 @@ class GradientAccumulationModel(keras.Model):
         model: keras.Model,
         accum_steps: int = 4,
         partial_window: str = "apply",
+        log_window: bool = False,
         **kwargs,
     ):
         compat.check_accumulation_support()
         _validate(model, accum_steps, partial_window)
+        if not isinstance(log_window, bool):
+            raise ValueError(
+                f"log_window must be True or False, got {log_window!r}."
+            )
         super().__init__(**kwargs)
         self.inner = model
         self.accum_steps = accum_steps
         self.partial_window = partial_window
-        self._accumulators = None
+        self.log_window = log_window
+        self._window_state = None
         model._keras_mgpu_wrapper = weakref.ref(self)
         if isinstance(
             tf.distribute.get_strategy(), tf.distribute.MultiWorkerMirroredStrategy
@@ -129,6 +168,14 @@ class GradientAccumulationModel(keras.Model):
 
     def call(self, inputs, training=None):
         return self.inner(inputs, training=training)
+
+    @property
+    def output_names(self):
+        """The wrapped model's `output_names` (None if it has none), so
+        losses, metrics and targets keyed by output name work as they do
+        for the wrapped model."""
+        inner = self.__dict__.get("inner")
+        return getattr(inner, "output_names", None)
 
     def compile(self, optimizer="rmsprop", *args, **kwargs):
         _check_inner_not_compiled(self.inner)
@@ -176,6 +223,7 @@ class GradientAccumulationModel(keras.Model):
             "model": keras.saving.serialize_keras_object(self.inner),
             "accum_steps": self.accum_steps,
             "partial_window": self.partial_window,
+            "log_window": self.log_window,
         }
 
     @classmethod
@@ -189,43 +237,105 @@ class GradientAccumulationModel(keras.Model):
     # --- State --------------------------------------------------------------
 
     def _create_state(self):
-        if self._accumulators is not None:
+        if self._window_state is not None:
             return
+        variables = self.inner.trainable_variables
         # Ids, not the variables: a list of variables here would be tracked
         # as this model's own weights a second time.
-        self._accumulated_ids = tuple(
-            id(v) for v in self.inner.trainable_variables
+        self._accumulated_ids = tuple(id(v) for v in variables)
+        overwrite = tuple(
+            bool(getattr(v, "overwrite_with_gradient", False))
+            for v in variables
         )
+        self._overwrite_indices = tuple(
+            i for i, o in enumerate(overwrite) if o)
+        self._regular_indices = tuple(
+            i for i, o in enumerate(overwrite) if not o)
         # Replica-local sums: SUM on read, so reading (or saving) gives the
         # total over replicas, and writing a value back divides it among them.
         local = dict(
             trainable=False, synchronization="on_read", aggregation="sum"
         )
-        self._accumulators = [
-            keras.Variable(
-                "zeros", shape=v.shape, dtype=_accumulator_dtype(v.dtype),
-                name=f"accumulator_{i}", **local,
-            )
-            for i, v in enumerate(self.inner.trainable_variables)
-        ]
+        accumulators = []
+        for i, (v, o) in enumerate(zip(variables, overwrite)):
+            if o:
+                # A running maximum, the same on every replica (maxed over
+                # them each micro-batch), starting below any value.
+                accumulators.append(keras.Variable(
+                    keras.initializers.Constant(-math.inf), shape=v.shape,
+                    dtype=_accumulator_dtype(v.dtype), trainable=False,
+                    name=f"accumulator_{i}",
+                ))
+            else:
+                accumulators.append(keras.Variable(
+                    "zeros", shape=v.shape, dtype=_accumulator_dtype(v.dtype),
+                    name=f"accumulator_{i}", **local,
+                ))
         # Initializers, not values: an unbuilt model is built inside Keras's
         # stateless scope, where only deferred initialisation is allowed.
         scalar = dict(initializer="zeros", shape=())
-        self._sample_count = keras.Variable(
+        state = _WindowState()
+        state.accumulators = accumulators
+        state.samples = keras.Variable(
             **scalar, dtype="float32", name="accumulated_samples", **local
         )
-        self._micro_step = keras.Variable(
+        state.micro_step = keras.Variable(
             **scalar, dtype="int64", trainable=False, name="micro_step"
         )
-        self._grad_norm = keras.Variable(
+        state.grad_norm = keras.Variable(
             **scalar, dtype="float32", trainable=False, name="grad_norm"
         )
-        self._update_count = keras.Variable(
+        state.update_count = keras.Variable(
             **scalar, dtype="int64", trainable=False, name="update_count"
         )
-        self._updated = keras.Variable(
+        state.updated = keras.Variable(
             **scalar, dtype="int64", trainable=False, name="has_updated"
         )
+        # Held outside Keras's variable tracking (in a tf.Module, which
+        # TensorFlow checkpoints still follow), so that they are not
+        # weights; `save_own_variables` saves them.
+        self._window_state = state
+
+    def _state(self, name):
+        state = self.__dict__.get("_window_state")
+        return None if state is None else getattr(state, name)
+
+    _accumulators = property(lambda self: self._state("accumulators"))
+    _sample_count = property(lambda self: self._state("samples"))
+    _micro_step = property(lambda self: self._state("micro_step"))
+    _grad_norm = property(lambda self: self._state("grad_norm"))
+    _update_count = property(lambda self: self._state("update_count"))
+    _updated = property(lambda self: self._state("updated"))
+
+    def _saved_variables(self) -> list:
+        # The order these had as Keras-tracked variables of this model, so
+        # weight files written before they left the weights still load.
+        return list(self._accumulators) + [
+            self._sample_count, self._micro_step, self._grad_norm,
+            self._update_count, self._updated,
+        ]
+
+    def save_own_variables(self, store):
+        """Saves the accumulation window (the wrapped model saves itself)."""
+        if self._window_state is None:
+            return
+        for i, variable in enumerate(self._saved_variables()):
+            store[f"{i}"] = variable
+
+    def load_own_variables(self, store):
+        """Restores the accumulation window saved by `save_own_variables`."""
+        saved = [] if self._window_state is None else self._saved_variables()
+        if len(store.keys()) != len(saved):
+            raise ValueError(
+                f"GradientAccumulationModel {self.name!r} expected "
+                f"{len(saved)} window variables (one accumulator per "
+                f"trainable variable of the wrapped model, plus 5), but the "
+                f"file has {len(store.keys())}. Build the wrapper (e.g. "
+                "wrap a built model) before loading, and wrap the same "
+                "architecture."
+            )
+        for i, variable in enumerate(saved):
+            variable.assign(store[f"{i}"])
 
     @property
     def micro_step(self) -> int:
@@ -270,6 +380,15 @@ class GradientAccumulationModel(keras.Model):
         loss_scaled = isinstance(
             self.optimizer, keras.optimizers.LossScaleOptimizer
         )
+        overwrite = self._overwrite_indices
+        # Weighting the loss by the sample count costs one multiply;
+        # weighting every gradient costs a pass over the parameters. The
+        # gradients are weighted instead under a loss scale (a weighted loss
+        # would push half-precision gradients n times closer to overflow)
+        # and with `overwrite_with_gradient` variables (their "gradient" is
+        # what Keras's own step computes: float8 layers record the
+        # magnitude of the gradient flowing back, which must not be scaled).
+        weight_gradients = loss_scaled or bool(overwrite)
         # Keras divides each replica's loss by the replica count (for a SUM
         # all-reduce); undone here, so the accumulators hold plain sums of
         # per-sample gradients: the same global sums on any replica count.
@@ -280,11 +399,7 @@ class GradientAccumulationModel(keras.Model):
             loss = compat.compute_loss(self, x, y, y_pred, sample_weight)
             compat.track_loss(self, loss, batch_size)
             objective = self.optimizer.scale_loss(loss)
-            if not loss_scaled:
-                # Weighting the loss by the sample count costs one multiply;
-                # weighting every gradient costs a pass over the parameters.
-                # Not under a loss scale: it would push half-precision
-                # gradients n times closer to overflow.
+            if not weight_gradients:
                 objective = objective * tf.cast(weight_sum, objective.dtype)
         variables = self.trainable_variables
         if tuple(id(v) for v in variables) != self._accumulated_ids:
@@ -294,13 +409,20 @@ class GradientAccumulationModel(keras.Model):
                 "layer's `trainable` flag was flipped). Set `trainable` "
                 "before wrapping the model, then wrap and compile again."
             )
-        grads = [
-            tf.zeros_like(v) if g is None
-            else tf.cast(tf.convert_to_tensor(g), _accumulator_dtype(v.dtype))
-            for g, v in zip(tape.gradient(objective, variables), variables)
-        ]
-        if loss_scaled:
-            grads = [g * weight_sum for g in grads]
+        grads = []
+        raw = tape.gradient(objective, variables)
+        for i, (g, v) in enumerate(zip(raw, variables)):
+            dtype = _accumulator_dtype(v.dtype)
+            if i in overwrite:
+                # No new value: keep the current one.
+                g = v.value if g is None else g
+                grads.append(tf.cast(tf.convert_to_tensor(g), dtype))
+                continue
+            g = tf.zeros_like(v) if g is None else g
+            g = tf.cast(tf.convert_to_tensor(g), dtype)
+            if weight_gradients:
+                g = g * tf.cast(weight_sum, dtype)
+            grads.append(g)
         if not self.optimizer.built:
             # Without a strategy scope Keras builds the optimizer lazily in
             # `apply`; the window update needs its variables first.
@@ -309,17 +431,23 @@ class GradientAccumulationModel(keras.Model):
             # Every micro-batch is a whole window: skip the accumulators.
             context.merge_call(self._apply_window, args=(grads + [weight],))
         else:
-            for accumulator, grad in zip(self._accumulators, grads):
-                accumulator.assign_add(grad)
+            for i in self._regular_indices:
+                self._accumulators[i].assign_add(grads[i])
             self._sample_count.assign_add(weight)
-            context.merge_call(self._end_micro_step)
+            context.merge_call(
+                self._end_micro_step, args=([grads[i] for i in overwrite],))
         logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-        logs["grad_norm"] = tf.identity(self._grad_norm.value)
-        logs["accum_step"] = tf.identity(self._micro_step.value)
+        if self.log_window:
+            logs["grad_norm"] = tf.identity(self._grad_norm.value)
+            logs["accum_step"] = tf.identity(self._micro_step.value)
         return logs
 
-    def _end_micro_step(self, strategy):
+    def _end_micro_step(self, strategy, overwrite_grads=()):
         """Cross-replica: count the micro-batch; on the window's last, apply."""
+        maxima = self._replica_max(strategy, list(overwrite_grads))
+        for i, value in zip(self._overwrite_indices, maxima):
+            accumulator = self._accumulators[i]
+            accumulator.assign(tf.maximum(accumulator.value, value))
         self._micro_step.assign_add(1)
         closes = self._micro_step.value >= self.accum_steps
         self._updated.assign(tf.cast(closes, "int64"))
@@ -329,6 +457,30 @@ class GradientAccumulationModel(keras.Model):
             lambda: None,
         )
 
+    def _replica_max(self, strategy, values):
+        """Cross-replica: the elementwise maximum over replicas of the
+        per-replica `overwrite_with_gradient` values (one all-gather)."""
+        if not values:
+            return []
+        if strategy.num_replicas_in_sync == 1:
+            return [strategy.experimental_local_results(v)[0] for v in values]
+        shapes = [self.trainable_variables[i].shape
+                  for i in self._overwrite_indices]
+
+        def gather(local):
+            flat = tf.concat(
+                [tf.reshape(tf.cast(v, tf.float32), [-1]) for v in local], 0)
+            gathered = tf.distribute.get_replica_context().all_gather(
+                flat[None], axis=0)
+            return tf.reduce_max(gathered, axis=0)
+
+        flat = strategy.experimental_local_results(
+            strategy.extended.call_for_each_replica(gather, args=(values,))
+        )[0]
+        sizes = [math.prod(shape) for shape in shapes]
+        return [tf.reshape(part, shape)
+                for part, shape in zip(tf.split(flat, sizes), shapes)]
+
     def _apply_window(self, strategy, sums=None):
         """Cross-replica: one all-reduce, then one optimizer update.
 
@@ -336,11 +488,21 @@ class GradientAccumulationModel(keras.Model):
         directly instead of read from the accumulators.
         """
         variables = self.trainable_variables
+        regular, overwrite = self._regular_indices, self._overwrite_indices
+        if sums is None:
+            args = ()
+            # Already the maximum over the window and the replicas.
+            new_values = [self._accumulators[i].value for i in overwrite]
+        else:
+            args = ([sums[i] for i in regular] + [sums[-1]],)
+            new_values = self._replica_max(
+                strategy, [sums[i] for i in overwrite])
 
         def all_reduce(local=None):
             if local is None:
                 local = []
-                for variable in self._accumulators + [self._sample_count]:
+                for variable in [self._accumulators[i] for i in regular] + [
+                        self._sample_count]:
                     # Placed reads: a multi-worker all-reduce sends its
                     # result to the devices of its inputs, and needs them
                     # named.
@@ -350,20 +512,22 @@ class GradientAccumulationModel(keras.Model):
                 tf.distribute.ReduceOp.SUM, local
             )
             scale = 1.0 / tf.maximum(total[-1], 1.0)
-            return [
-                tf.cast(g * scale, v.dtype)
-                for g, v in zip(total[:-1], variables)
-            ]
+            out = [None] * len(variables)
+            for i, g in zip(regular, total[:-1]):
+                out[i] = tf.cast(g * scale, variables[i].dtype)
+            # The optimizer overwrites these with their "gradient", unscaled
+            # and unclipped, as it does outside the wrapper.
+            for i, value in zip(overwrite, new_values):
+                out[i] = tf.cast(value, variables[i].dtype)
+            return out
 
-        grads = strategy.extended.call_for_each_replica(
-            all_reduce, args=() if sums is None else (sums,)
-        )
+        grads = strategy.extended.call_for_each_replica(all_reduce, args=args)
         first = [strategy.experimental_local_results(g)[0] for g in grads]
         optimizer = self.optimizer
         loss_scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
         loss_scale = optimizer.dynamic_scale if loss_scaled else 1.0
         norm = tf.linalg.global_norm(
-            [tf.cast(g, tf.float32) for g in first]
+            [tf.cast(first[i], tf.float32) for i in regular]
         ) / tf.cast(loss_scale, tf.float32)
 
         with compat.gradients_already_reduced(optimizer):
@@ -402,8 +566,13 @@ class GradientAccumulationModel(keras.Model):
             tf.maximum(optimizer.dynamic_scale, MIN_LOSS_SCALE))
 
     def _reset_window(self):
-        for accumulator in self._accumulators:
-            accumulator.assign(tf.zeros_like(accumulator.value))
+        for i, accumulator in enumerate(self._accumulators):
+            if i in self._overwrite_indices:
+                accumulator.assign(tf.fill(
+                    accumulator.shape,
+                    tf.constant(-math.inf, accumulator.dtype)))
+            else:
+                accumulator.assign(tf.zeros_like(accumulator.value))
         self._sample_count.assign(0.0)
         self._micro_step.assign(0)
 
@@ -443,6 +612,10 @@ class _WindowEnd(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         self._wrapper()._finish_epoch()
+
+
+class _WindowState(tf.Module):
+    """Holds the window's variables away from Keras's weight tracking."""
 
 
 def _accumulator_dtype(dtype) -> str:

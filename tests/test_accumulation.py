@@ -1,5 +1,7 @@
 """GradientAccumulationModel: exactness, step counting, communication, options."""
 
+import warnings
+
 import numpy as np
 import pytest
 import keras
@@ -163,7 +165,7 @@ def test_accum_steps_1_is_plain_fit():
         assert a == pytest.approx(b, rel=1e-5)
 
 
-def test_logs_carry_gradient_norm_and_progress():
+def test_log_window_logs_gradient_norm_and_progress():
     micro = micro_batches([8] * 8)
     # The first update's gradient: the mean-loss gradient of the first 32
     # samples, at the initial weights.
@@ -181,7 +183,8 @@ def test_logs_carry_gradient_norm_and_progress():
             logged.append((float(logs["accum_step"]), float(logs["grad_norm"])))
 
     with mirrored(2).scope():
-        model = GradientAccumulationModel(workers.build_mlp(), accum_steps=4)
+        model = GradientAccumulationModel(workers.build_mlp(), accum_steps=4,
+                                          log_window=True)
         model.compile(keras.optimizers.SGD(0.1, global_clipnorm=1e-3), "mse")
     model.fit(batches_dataset(micro), epochs=1, verbose=0,
               callbacks=[Collect()])
@@ -320,7 +323,8 @@ def test_wraps_any_model(kind, tmp_path):
         model.compile("adam", "mse", metrics=["mae"])
     history = model.fit(x, y, batch_size=16, epochs=2, verbose=0)
     assert int(model.optimizer.iterations.numpy()) == 4
-    assert set(history.history) >= {"loss", "mae", "grad_norm"}
+    # The logs of the wrapped model, nothing more (log_window=False).
+    assert set(history.history) == {"loss", "mae"}
     assert model.inner is inner
     np.testing.assert_allclose(model.predict(x, verbose=0),
                                inner.predict(x, verbose=0), atol=1e-6)
@@ -445,3 +449,191 @@ def test_multi_worker_matches_mirrored(run_workers):
         assert r.result["iterations"] == reference["iterations"] == 6
         assert max_diff([np.asarray(w) for w in r.result["weights"]],
                         [np.asarray(w) for w in reference["weights"]]) < 1e-5
+
+
+# --- Issue #16: output names, float8, parameter count, logs -----------------
+
+
+def two_output_model(outputs="list"):
+    inputs = keras.Input((workers.FEATURES,), name="features")
+    hidden = keras.layers.Dense(16, activation="tanh", name="hidden")(inputs)
+    a = keras.layers.Dense(1, name="a")(hidden)
+    b = keras.layers.Dense(2, name="b")(hidden)
+    model = keras.Model(inputs, [a, b] if outputs == "list" else
+                        {"a": a, "b": b})
+    model.set_weights(workers.initial_weights(model))
+    return model
+
+
+def two_output_data(sizes, seed=0):
+    """Micro-batches (x, {"a": ..., "b": ...}) and their concatenation."""
+    x, y = workers.regression_data(sum(sizes), seed=seed)
+    b = np.concatenate([np.sin(x[:, :1]), y * x[:, 1:2]], axis=1)
+    out, start = [], 0
+    for size in sizes:
+        part = slice(start, start + size)
+        out.append((x[part], {"a": y[part], "b": b[part]}))
+        start += size
+    big = (x, {"a": y, "b": b})
+    return out, big
+
+
+NAME_KEYED = dict(loss={"a": "mse", "b": "mae"},
+                  loss_weights={"a": 1.0, "b": 0.5},
+                  metrics={"a": ["mae"]})
+
+
+@pytest.mark.parametrize("outputs", ["list", "dict"])
+def test_losses_metrics_and_targets_keyed_by_output_name(outputs, tmp_path):
+    micro, big = two_output_data([8] * 4)
+    reference = two_output_model(outputs)
+    reference.compile(keras.optimizers.SGD(0.1, momentum=0.9), **NAME_KEYED)
+    expected = reference.fit(batches_dataset([big]), verbose=0).history
+    model = GradientAccumulationModel(two_output_model(outputs), accum_steps=4)
+    assert model.output_names == model.inner.output_names == ["a", "b"]
+    model.compile(keras.optimizers.SGD(0.1, momentum=0.9), **NAME_KEYED)
+    history = model.fit(batches_dataset(micro), verbose=0).history
+    assert int(model.optimizer.iterations.numpy()) == 1
+    assert max_diff(weights_of(model), weights_of(reference)) < 1e-6
+    # The same logs, and (one window, all at the initial weights) values.
+    assert set(history) == set(expected)
+    for key in expected:
+        assert history[key] == pytest.approx(expected[key], rel=1e-5), key
+
+    path = str(tmp_path / "two_outputs.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert loaded.output_names == ["a", "b"]
+    for m in (model, loaded, reference):
+        m.fit(batches_dataset(micro if m is not reference else [big]),
+              verbose=0)
+    assert max_diff(weights_of(loaded), weights_of(model)) < 1e-6
+    assert max_diff(weights_of(model), weights_of(reference)) < 1e-6
+
+
+def float8_mlp():
+    model = workers.build_mlp()
+    with warnings.catch_warnings():
+        # "Layer InputLayer does not have a `quantize` method implemented."
+        warnings.simplefilter("ignore", UserWarning)
+        model.quantize("float8")
+    return model
+
+
+def float8_parts(model):
+    """(scale and amax-history variables, the other weights) of a model."""
+    overwrite, regular = [], []
+    for v in getattr(model, "inner", model).trainable_variables:
+        (overwrite if v.overwrite_with_gradient else regular).append(
+            v.numpy())
+    return overwrite, regular
+
+
+def test_float8_scales_follow_keras_accumulation():
+    """Keras's `gradient_accumulation_steps` keeps the maximum of the
+    window's new scales and amax histories, unweighted; one step (N=1) is
+    plain `fit`."""
+    micro = micro_batches([8] * 8)
+    runs = {}
+    for name, steps in (("stock", 4), ("plain", None)):
+        model = float8_mlp()
+        model.compile(keras.optimizers.SGD(0.1,
+                                           gradient_accumulation_steps=steps),
+                      "mse")
+        model.fit(batches_dataset(micro), verbose=0, shuffle=False)
+        runs[name] = float8_parts(model)
+    for name, accum_steps in (("stock", 4), ("plain", 1)):
+        model = GradientAccumulationModel(float8_mlp(),
+                                          accum_steps=accum_steps)
+        model.compile(keras.optimizers.SGD(0.1), "mse")
+        model.fit(batches_dataset(micro), verbose=0, shuffle=False)
+        overwrite, regular = float8_parts(model)
+        expected_overwrite, expected_regular = runs[name]
+        assert len(overwrite) == 12
+        # Scales moved off their initial 1.0 after the first window; before
+        # the fix they were divided by the window's sample count.
+        assert all(0 < v.max() < 0.1 for v in overwrite if v.shape == ())
+        assert max_diff(overwrite, expected_overwrite) == 0.0, name
+        assert max_diff(regular, expected_regular) < 1e-6, name
+
+
+def test_float8_under_mirrored_matches_one_replica():
+    micro = micro_batches([8] * 8)
+    results = {}
+    for replicas in (1, 2):
+        strategy = mirrored(replicas)
+        with strategy.scope():
+            model = GradientAccumulationModel(float8_mlp(), accum_steps=4)
+            model.compile(keras.optimizers.SGD(0.1), "mse")
+        model.fit(batches_dataset(micro), verbose=0, shuffle=False)
+        results[replicas] = float8_parts(model)
+        for v in model.trainable_variables:
+            copies = strategy.experimental_local_results(v.value)
+            for copy in copies[1:]:
+                np.testing.assert_array_equal(copy.numpy(), copies[0].numpy())
+    (overwrite_1, regular_1), (overwrite_2, regular_2) = results[1], results[2]
+    # The amax histories are the maximum over all replicas' samples.
+    for a, b in zip(overwrite_2, overwrite_1):
+        np.testing.assert_allclose(a, b, rtol=1e-4)
+    # Keras's float8 Dense casts its bias to bfloat16, so the bias gradient
+    # is summed in bfloat16: 4-row and 8-row sums round differently (plain
+    # Keras under MirroredStrategy differs from one device as much).
+    assert max_diff(regular_2, regular_1) < 1e-3
+
+
+def test_count_params_and_summary_show_the_wrapped_model_only(tmp_path):
+    inner = workers.build_mlp()
+    model = GradientAccumulationModel(inner, accum_steps=4,
+                                      partial_window="carry")
+    assert model.count_params() == inner.count_params() == 161
+    assert len(model.weights) == len(inner.weights)
+    for a, b in zip(model.get_weights(), inner.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    lines = []
+    model.summary(print_fn=lambda line, *a, **k: lines.append(line))
+    text = "\n".join(lines)
+    assert "Total params: 161 " in text
+    assert "Non-trainable params: 0 " in text
+
+    # The window is still saved with the weights.
+    micro = micro_batches([8] * 2)
+    model.compile("sgd", "mse")
+    model.fit(batches_dataset(micro), verbose=0, shuffle=False)
+    assert model.micro_step == 2
+    path = str(tmp_path / "mid_window.weights.h5")
+    model.save_weights(path)
+    again = GradientAccumulationModel(workers.build_mlp(), accum_steps=4,
+                                      partial_window="carry")
+    again.load_weights(path)
+    assert again.micro_step == 2
+    for a, b in zip(again._accumulators, model._accumulators):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    assert np.abs(again._accumulators[0].numpy()).max() > 0
+
+
+def test_fit_logs_what_the_wrapped_model_logs():
+    micro = micro_batches([8] * 4)
+    keys = {}
+    for name, log_window in (("plain", None), ("wrapper", False),
+                             ("log_window", True)):
+        model = workers.build_mlp()
+        if log_window is not None:
+            model = GradientAccumulationModel(model, accum_steps=2,
+                                              log_window=log_window)
+        model.compile("sgd", "mse", metrics=["mae"])
+        seen = []
+
+        class Collect(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                seen.append(set(logs))
+
+        history = model.fit(batches_dataset(micro), verbose=0,
+                            callbacks=[Collect()])
+        keys[name] = seen[-1] | set(history.history)
+    assert keys["wrapper"] == keys["plain"] == {"loss", "mae"}
+    assert keys["log_window"] == {"loss", "mae", "grad_norm", "accum_step"}
+    config = GradientAccumulationModel(workers.build_mlp(),
+                                       log_window=True).get_config()
+    assert config["log_window"] is True
+    with pytest.raises(ValueError, match="log_window must be True or False"):
+        GradientAccumulationModel(workers.build_mlp(), log_window="yes")

@@ -516,10 +516,15 @@ class BackupAndRestore(keras.callbacks.Callback):
                     for name in (_WEIGHTS, _EXTRA, _STATE))
             except tf.errors.OpError:
                 pass
+        model = self.model
+        # A GradientAccumulationModel saves an accumulator per trainable
+        # variable too, outside `variables`.
+        accumulators = (list(model.trainable_variables)
+                        if getattr(model, "accum_steps", None) else [])
         return 65536 + sum(
             int(np.prod(v.shape)) * np.dtype(
                 keras.backend.standardize_dtype(v.dtype)).itemsize
-            for v in self.model.variables)
+            for v in [*model.variables, *accumulators])
 
     def _write_weights(self, tmp: str) -> bytes:
         """Saves the weights into the generation being written (through a
