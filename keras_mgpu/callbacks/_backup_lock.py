@@ -60,6 +60,8 @@ class OwnerLock:
         self.directory = str(directory).rstrip("/")
         self.path = f"{self.directory}/{LOCK_NAME}"
         self.what = what
+        # Not keras_mgpu._checks.is_url: this module imports only the
+        # standard library (a lock holder need not load TensorFlow).
         self._local = "://" not in self.directory
         self._record: Optional[dict] = None
         self._last_refresh = 0.0  # time.monotonic() of the last lock write

@@ -12,6 +12,8 @@ from typing import Optional
 
 import tensorflow as tf
 
+from keras_mgpu._checks import is_url
+
 # The writer thread flushes every output and exits once nothing has been
 # queued for this long; the next record starts a new one. So a `fit` that
 # raises (Keras then never calls `on_train_end`) still has every record it
@@ -19,12 +21,6 @@ import tensorflow as tf
 IDLE_SECONDS = 0.5
 
 _CLOSE = object()  # queued by `close`: write what precedes, then stop
-
-
-def is_url(path: str) -> bool:
-    """Whether `path` names a `tf.io.gfile` file system (`gs://`, `ram://`)
-    rather than a local path."""
-    return "://" in path
 
 
 class Sinks:

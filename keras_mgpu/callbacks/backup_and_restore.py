@@ -20,7 +20,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_mgpu._checks import is_nonempty_path, is_positive_int
+from keras_mgpu._checks import is_nonempty_path, is_positive_int, is_url
 from keras_mgpu import compat
 from keras_mgpu.callbacks._backup_lock import BackupDirInUse, OwnerLock  # noqa: F401
 from keras_mgpu import strategy as strategy_lib
@@ -461,7 +461,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         number = (existing[0] + 1) if existing else 1
         tmp = _join(self.backup_dir, f"{_TMP_PREFIX}{number}-{uuid.uuid4().hex}")
         try:
-            if _is_local(self.backup_dir):
+            if not is_url(self.backup_dir):
                 # HDF5 can crash the process (SIGSEGV) when a write fails
                 # mid-file: refuse before writing instead.
                 _check_room(self.backup_dir, self._expected_size(existing))
@@ -529,7 +529,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     def _write_weights(self, tmp: str) -> bytes:
         """Saves the weights into the generation being written (through a
         local file for a URL backup_dir: h5 files need one); their bytes."""
-        if _is_local(self.backup_dir):
+        if not is_url(self.backup_dir):
             # Staged in backup_dir itself: no dependence on TMPDIR.
             path = _join(tmp, _WEIGHTS)
             self.model.save_weights(path)
@@ -616,7 +616,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             )
         if model.optimizer is not None and not model.optimizer.built:
             model.optimizer.build(model.trainable_variables)
-        if _is_local(self.backup_dir):
+        if not is_url(self.backup_dir):
             # Read where it lies (verified above): no TMPDIR needed.
             model.load_weights(_join(_generation_dir(self.backup_dir, chosen),
                                      _WEIGHTS))
@@ -788,13 +788,9 @@ def _entries(directory: str) -> list:
     return [name.rstrip("/") for name in tf.io.gfile.listdir(directory)]
 
 
-def _is_local(path: str) -> bool:
-    return "://" not in path
-
-
 def _is_link(path: str) -> bool:
     # Only local paths can be links; "scheme://" ones are never.
-    return _is_local(path) and os.path.islink(path)
+    return not is_url(path) and os.path.islink(path)
 
 
 def _check_room(directory: str, needed: int) -> None:
