@@ -18,11 +18,10 @@ function then: nothing to wrap, the counters still count).
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import warnings
 import weakref
-from typing import Optional
+from typing import Callable, ContextManager, Optional
 
 import keras
 import numpy as np
@@ -169,6 +168,7 @@ class TrainingRuntime:
         self._inner = None
         self._untimed = True
         self._timed = {}
+        self._step_scope = None
 
     @property
     def model(self):
@@ -185,6 +185,7 @@ class TrainingRuntime:
         self._fit_params = params
         self._event = None
         self._wrapper = None
+        self._step_scope = None  # one a `fit` that raised left
         self._steps_per_call = int(getattr(self.model, "steps_per_execution", 1))
         self._epoch_steps = (params or {}).get("steps")
         if self._updates_offset is None:
@@ -242,7 +243,15 @@ class TrainingRuntime:
         self._in_fit = False
         self._in_batch = False
         self._skip_epoch = None
+        self._step_scope = None
         self._uninstall()
+
+    def scope_steps(self, scope: Optional[Callable[[], ContextManager]]
+                    ) -> None:
+        """Enters `scope()` around every trained step of this `fit` (None:
+        none): a context only the model's own step sees, such as a default
+        summary writer, and no other callback's hooks."""
+        self._step_scope = scope
 
     # --- reading ------------------------------------------------------------
 
@@ -260,7 +269,7 @@ class TrainingRuntime:
     @property
     def input_wait_variable(self) -> tf.Variable:
         if self._input_wait is None:
-            self._input_wait = _local_variable()
+            self._input_wait = strategy_lib.local_variable(0.0, tf.float64)
         return self._input_wait
 
     def counter_variables(self) -> dict:
@@ -412,7 +421,11 @@ class TrainingRuntime:
                 for _ in range(count - 1):
                     next(iterator)
                 return {}
-            return step(iterator)
+            scope = self._step_scope
+            if scope is None:
+                return step(iterator)
+            with scope():
+                return step(iterator)
 
         train_function.keras_mgpu_inner = inner
         self._wrapper = model.train_function = train_function
@@ -496,14 +509,3 @@ def _global_batch(strategy, element) -> int:
 
 def _int(value) -> Optional[int]:
     return None if value is None else int(value)
-
-
-def _local_variable() -> tf.Variable:
-    """A float64 zero that is this process's own, even inside a strategy
-    scope: scopes are per thread, so it is created on a fresh one. (A
-    mirrored copy would need a collective to create under
-    MultiWorkerMirroredStrategy, and each worker times its own input.)"""
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(
-            tf.Variable, 0.0, dtype=tf.float64, trainable=False
-        ).result()

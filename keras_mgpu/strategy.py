@@ -12,6 +12,7 @@ server tasks are not training workers.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import os
@@ -536,3 +537,18 @@ def is_multi_worker(strategy: Optional[tf.distribute.Strategy] = None) -> bool:
         isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
         and num_workers() > 1
     )
+
+
+def local_variable(value, dtype: tf.DType) -> tf.Variable:
+    """A non-trainable variable that is this process's own, even inside a
+    strategy scope.
+
+    Scopes are per thread, so it is created on a fresh one: a mirrored copy
+    would need a collective to create under MultiWorkerMirroredStrategy,
+    and a value only one worker keeps (its own input wait, the chief's
+    summary step) must not wait for the others.
+    """
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(
+            tf.Variable, value, dtype=dtype, trainable=False
+        ).result()

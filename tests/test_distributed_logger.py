@@ -34,13 +34,13 @@ def read_jsonl(log_dir):
     return [json.loads(line) for line in read_lines(log_dir)]
 
 
-def read_scalars(log_dir):
-    """{tag: [(step, value), ...]} from the chief's TensorBoard events
-    (local or at a URL)."""
+def read_scalars(log_dir, run="train"):
+    """{tag: [(step, value), ...]} from the chief's TensorBoard events of
+    one run (local or at a URL)."""
     scalars = {}
     paths = tf.io.gfile.glob(
-        tf.io.gfile.join(log_dir, "train", "events.out.tfevents.*"))
-    assert paths, f"no events file under {log_dir}/train"
+        tf.io.gfile.join(log_dir, run, "events.out.tfevents.*"))
+    assert paths, f"no events file under {log_dir}/{run}"
     for path in paths:
         for event in tf.compat.v1.train.summary_iterator(path):
             for value in event.summary.value:
@@ -122,17 +122,48 @@ def test_records_events_and_history_agree(tmp_path, capsys):
         np.testing.assert_allclose([r["metrics"][key] for r in epochs],
                                    history.history[key], rtol=1e-6)
 
+    # Keras TensorBoard's layout: train and validation runs, one tag each
+    # for a metric, so the two curves overlay.
     scalars = read_scalars(log_dir)
-    assert scalars["window/metrics/loss"] == [
+    validation = read_scalars(log_dir, "validation")
+    assert sorted(os.listdir(log_dir)) == ["metrics.jsonl", "train",
+                                           "validation"]
+    grouped = [f"{group}/{kind}_{name}" for kind in ("batch", "epoch")
+               for group, name in [
+                   ("throughput", "examples_per_sec"),
+                   ("throughput", "examples_per_sec_per_replica"),
+                   ("throughput", "step_time_mean"),
+                   ("throughput", "step_time_max"),
+                   ("input", "wait")]]
+    # Nothing that does not apply (loss scale, accumulation, workers, GPU
+    # memory) and no constants (replicas).
+    assert sorted(scalars) == sorted([
+        "batch_loss", "batch_mae", "batch_steps_per_second",
+        "epoch_loss", "epoch_mae", "epoch_learning_rate",
+        "epoch_steps_per_second", *grouped])
+    assert sorted(validation) == [
+        "epoch_loss", "epoch_mae", "evaluation_loss_vs_iterations",
+        "evaluation_mae_vs_iterations"]
+    assert scalars["batch_loss"] == [
         (r["step"], pytest.approx(r["metrics"]["loss"])) for r in windows]
-    assert scalars["epoch/metrics/val_loss"] == [
-        (i, pytest.approx(v)) for i, v in enumerate(history.history["val_loss"])]
-    assert scalars["window/examples_per_sec"] == [
+    for key in ("loss", "mae"):
+        assert scalars[f"epoch_{key}"] == [
+            (i, pytest.approx(v))
+            for i, v in enumerate(history.history[key])]
+        assert validation[f"epoch_{key}"] == [
+            (i, pytest.approx(v))
+            for i, v in enumerate(history.history[f"val_{key}"])]
+        assert validation[f"evaluation_{key}_vs_iterations"] == [
+            (r["step"], pytest.approx(r["metrics"][f"val_{key}"]))
+            for r in epochs]
+    assert scalars["epoch_learning_rate"] == [
+        (i, pytest.approx(0.01)) for i in range(2)]
+    assert scalars["throughput/batch_examples_per_sec"] == [
         (r["step"], pytest.approx(r["examples_per_sec"], rel=1e-6))
         for r in windows]
-    for tag in ("step_time_mean", "step_time_max", "learning_rate",
-                "worker_step_time/max", "slowest_worker"):
-        assert f"window/{tag}" in scalars and f"epoch/{tag}" in scalars
+    assert scalars["epoch_steps_per_second"] == [
+        (i, pytest.approx(r["steps"] / r["seconds"], rel=1e-6))
+        for i, r in enumerate(epochs)]
 
     lines = [line for line in capsys.readouterr().out.splitlines()
              if line.startswith("DistributedLogger")]
@@ -190,15 +221,90 @@ def test_loss_scale_skipped_steps_and_schedule(tmp_path, accumulate):
         assert epoch["grad_norm"] > 0
     else:
         assert epoch["grad_norm"] is None and epoch["accum_step"] is None
+    # TensorBoard: the groups that apply, nothing else.
+    scalars = read_scalars(str(tmp_path / "run"))
+    assert scalars["mixed_precision/epoch_loss_scale"] == [
+        (r["epoch"], r["loss_scale"]) for r in epochs]
+    assert scalars["mixed_precision/batch_skipped_steps"] == [
+        (r["step"], r["skipped_steps"]) for r in windows]
+    assert {tag.split("/")[0] for tag in scalars if "/" in tag} == (
+        {"throughput", "input", "mixed_precision"}
+        | ({"accumulation"} if accumulate else set()))
+    if accumulate:
+        assert scalars["accumulation/epoch_grad_norm"] == [
+            (r["epoch"], pytest.approx(r["grad_norm"])) for r in epochs]
 
 
-def test_profile_steps_write_a_trace(tmp_path):
+def test_profile_steps_write_a_trace_with_step_markers(tmp_path):
+    from xprof.convert import raw_to_tool_data
+
     log_dir = str(tmp_path / "run")
     small_fit(mirrored(1), log_dir, epochs=1, validation=False,
-              update_freq=4, profile_steps=(2, 3), console=False)
+              update_freq=4, profile_steps=(2, 5), console=False)
     traces = glob.glob(os.path.join(log_dir, "train", "plugins", "profile",
                                     "*", "*.xplane.pb"))
     assert len(traces) == 1 and os.path.getsize(traces[0]) > 0
+    # xprof's overview finds the steps: a step time, not "No step marker
+    # observed" and 0.0 ms.
+    overview, _ = raw_to_tool_data.xspace_to_tool_data(
+        traces, "overview_page", {})
+    overview = overview if isinstance(overview, str) else overview.decode()
+    assert "No step marker" not in overview
+    [average] = re.findall(r'"steptime_ms_average":"([0-9.]+)"', overview)
+    assert float(average) > 0
+
+
+class SummaryLayer(keras.layers.Layer):
+    """Writes the mean of its input with `tf.summary`: the model's own
+    summaries."""
+
+    def call(self, x):
+        tf.summary.scalar("input_mean", tf.reduce_mean(x))
+        return x
+
+
+@pytest.mark.parametrize("update_freq, jit_compile, run_eagerly", [
+    (3, False, False), ("epoch", False, False), (3, True, False),
+    (3, False, True)], ids=["windows", "epoch", "xla", "eager"])
+def test_the_models_own_summaries_are_recorded(tmp_path, update_freq,
+                                               jit_compile, run_eagerly):
+    log_dir = str(tmp_path / "run")
+    x, y = workers.regression_data(100)
+    # XLA with MirroredStrategy is not supported on CPUs: XLA on one device.
+    with (mirrored(1) if jit_compile else mirrored(2)).scope():
+        model = keras.Sequential([keras.Input((8,)), SummaryLayer(),
+                                  keras.layers.Dense(1)])
+        model.compile("sgd", "mse", jit_compile=jit_compile,
+                      run_eagerly=run_eagerly)
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False,
+              validation_data=(x[:48], y[:48]),
+              callbacks=[DistributedLogger(log_dir, update_freq=update_freq,
+                                           console=False)])
+    train = read_scalars(log_dir)
+    validation = read_scalars(log_dir, "validation")
+    # Keras names the tag after the model and the layer, numbered per process.
+    tags = {t for t in (*train, *validation) if t.endswith("/input_mean")}
+    if update_freq == "epoch" or jit_compile:
+        # As Keras's TensorBoard: no default writer without batch records;
+        # XLA cannot compile summary ops (the step would fail).
+        assert not tags and ("batch_loss" in train) == jit_compile
+    else:
+        [tag] = tags
+        # Once per window (replica 0 only), at the window record's step;
+        # once per validation, at the step it follows.
+        assert [s for s, _ in train[tag]] == [
+            s for s, _ in train["batch_loss"]] == [3, 6, 7, 10, 13, 14]
+        if run_eagerly:
+            # Keras's eager test step is not the runtime's to scope.
+            assert tag not in validation
+        else:
+            assert [s for s, _ in validation[tag]] == [7, 14]
+            assert validation[tag][0][1] == pytest.approx(
+                float(np.mean(x[:8])), rel=1e-5)  # replica 0: 8 of 16
+    # After fit, no writer is left as the default.
+    assert tf.summary.experimental.get_step() is None
+    with tf.summary.record_if(True):
+        assert not tf.summary.scalar("after_fit", 1.0)
 
 
 def test_wandb_offline_run_lives_under_log_dir(tmp_path, monkeypatch):
@@ -242,6 +348,20 @@ def test_chief_only_output_with_two_workers(run_workers, tmp_path):
     np.testing.assert_allclose(
         [r["metrics"]["loss"] for r in records if r["kind"] == "epoch"],
         chief["loss"], rtol=1e-6)
+    # With two workers, the spread across them is a TensorBoard group.
+    scalars = read_scalars(chief["log_dir"])
+    epochs = [r for r in records if r["kind"] == "epoch"]
+    assert scalars["distribution/epoch_step_time_max"] == [
+        (r["epoch"], pytest.approx(r["worker_step_time"]["max"]))
+        for r in epochs]
+    assert scalars["distribution/batch_slowest_worker"] == [
+        (r["step"], r["slowest_worker"]) for r in records
+        if r["kind"] == "window"]
+    assert sorted(t for t in scalars if t.startswith("distribution/epoch")) == \
+        sorted(f"distribution/epoch_{name}" for name in [
+            *(f"{figure}_{stat}" for figure in
+              ("step_time", "examples_per_sec", "input_wait")
+              for stat in ("min", "mean", "max")), "slowest_worker"])
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -343,7 +463,7 @@ def test_input_wait_tells_a_starved_pipeline_from_a_fed_one(
     assert starved["input_bound"] == "highly"
     # Cached in memory: the wait is the fetch itself, no decode.
     assert fed["input_wait"] * fed["seconds"] < decode_seconds / 4
-    assert events["epoch/input_wait"][-1] == (
+    assert events["input/epoch_wait"][-1] == (
         1, pytest.approx(starved["input_wait"]))
     assert starved["worker_input_wait"]["max"] == pytest.approx(
         starved["input_wait"])
@@ -470,10 +590,10 @@ def test_local_or_url_log_dir_appends_after_a_torn_line(tmp_path, monkeypatch,
     assert [(r["kind"], r["step"]) for r in records] == [
         ("window", 4), ("window", 7), ("epoch", 7)]
     scalars = read_scalars(log_dir)
-    assert scalars["window/metrics/loss"] == [
+    assert scalars["batch_loss"] == [
         (s, pytest.approx(batch_logs[s - 1]["loss"], rel=1e-6))
         for s in (4, 7)]
-    assert scalars["epoch/metrics/loss"] == [
+    assert scalars["epoch_loss"] == [
         (0, pytest.approx(records[-1]["metrics"]["loss"]))]
     traces = tf.io.gfile.glob(tf.io.gfile.join(
         log_dir, "train", "plugins", "profile", "*", "*.xplane.pb"))
@@ -534,10 +654,10 @@ def test_a_crashed_fit_flushes_stops_the_writer_and_can_fit_again(tmp_path):
     assert [(r["kind"], r["step"]) for r in read_jsonl(log_dir)] == crashed
     scalars = read_scalars(log_dir)
     windows = [2, 4, 6, 8, 10, 12, 14]
-    assert scalars["window/metrics/loss"] == [
+    assert scalars["batch_loss"] == [
         (s, pytest.approx(batch_logs.logs[s - 1]["loss"], rel=1e-6))
         for s in windows]
-    assert [s for s, _ in scalars["epoch/metrics/loss"]] == [0]
+    assert [s for s, _ in scalars["epoch_loss"]] == [0]
 
     # Fitting again continues the same files at the run's global step.
     model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False,
@@ -546,10 +666,10 @@ def test_a_crashed_fit_flushes_stops_the_writer_and_can_fit_again(tmp_path):
     assert [(r["kind"], r["step"]) for r in read_jsonl(log_dir)] == (
         crashed + again)
     scalars = read_scalars(log_dir)
-    assert scalars["window/metrics/loss"] == [
+    assert scalars["batch_loss"] == [
         (s, pytest.approx(batch_logs.logs[s - 1]["loss"], rel=1e-6))
         for s in windows + [17, 19, 21, 23]]
-    assert [s for s, _ in scalars["epoch/metrics/loss"]] == [0, 0]
+    assert [s for s, _ in scalars["epoch_loss"]] == [0, 0]
     assert logger._sinks is None and not thread.is_alive()
 
 

@@ -156,7 +156,7 @@ def test_killed_run_resumes_exactly_with_continuous_logs(
     assert [step for step, _ in events["resume"]] == kills
     for (step, text) in events["resume"]:
         assert f"at step {step}" in text
-    loss_steps = [step for step, _ in events["window/metrics/loss"]]
+    loss_steps = [step for step, _ in events["batch_loss"]]
     assert len(loss_steps) == len(set(loss_steps)), "a step written twice"
     assert max(loss_steps) == LAST_STEP
 

@@ -46,11 +46,12 @@ class Sinks:
         # 10 events: with a record's ~20 scalars, two fsyncs per window.
         # Sync at most every second, after every epoch record and when the
         # writer thread goes idle instead.
-        self._writer = tf.summary.create_file_writer(
-            tf.io.gfile.join(log_dir, "train"),
-            max_queue=10_000, flush_millis=1_000,
-        )
-        self._write_events = _event_writer(self._writer)
+        self._log_dir = log_dir
+        self._writers = {}  # run name: (writer, its compiled event writer)
+        # Runs are created by the writer thread and, for the model's own
+        # summaries, by the training thread.
+        self._writers_lock = threading.Lock()
+        self.run_writer("train")
         self._jsonl = _open_jsonl(tf.io.gfile.join(log_dir, "metrics.jsonl"))
         self._jsonl_local = not is_url(log_dir)
         self._jsonl_flushed = time.monotonic()
@@ -84,7 +85,8 @@ class Sinks:
         """Writes every queued record, then closes the outputs."""
         self._put(_CLOSE)
         self._thread.join()
-        self._writer.close()
+        for writer in self._run_writers():
+            writer.close()
         self._jsonl.close()
         if self._wandb_run is not None:
             self._wandb_run.finish()
@@ -140,21 +142,42 @@ class Sinks:
     def _flush(self) -> None:
         try:
             self._jsonl.flush()
-            self._writer.flush()
+            for writer in self._run_writers():
+                writer.flush()
         except Exception as error:  # raised on the training thread
             if self._error is None:
                 self._error = error
 
+    def run_writer(self, run: str):
+        """The summary writer of a TensorBoard run (`train`, `validation`),
+        created on first use, as Keras's `TensorBoard` does: a run without
+        validation has no `validation` folder."""
+        with self._writers_lock:
+            if run not in self._writers:
+                writer = tf.summary.create_file_writer(
+                    tf.io.gfile.join(self._log_dir, run),
+                    max_queue=10_000, flush_millis=1_000,
+                )
+                self._writers[run] = (writer, _event_writer(writer))
+            return self._writers[run][0]
+
+    def _run_writers(self) -> list:
+        with self._writers_lock:
+            return [writer for writer, _ in self._writers.values()]
+
     def _write(self, records: list) -> None:
         self._jsonl.write("".join(json.dumps(r) + "\n" for r in records))
-        scalars = [_scalars(r) for r in records]
-        # Epoch scalars are stepped by epoch, as Keras's TensorBoard does.
-        self._write_events(
-            tf.constant([_summary_proto(r, s)
-                         for r, s in zip(records, scalars)]),
-            tf.constant([r["epoch"] if r["kind"] == "epoch" else r["step"]
-                         for r in records], tf.int64),
-        )
+        series = [tensorboard_scalars(r) for r in records]
+        by_run = {}
+        for record, entries in zip(records, series):
+            for run, step, values in entries:
+                by_run.setdefault(run, ([], []))
+                by_run[run][0].append(_summary_proto(record, values))
+                by_run[run][1].append(step)
+        for run, (protos, steps) in by_run.items():
+            self.run_writer(run)
+            self._writers[run][1](tf.constant(protos),
+                                  tf.constant(steps, tf.int64))
         epoch = any(r["kind"] == "epoch" for r in records)
         # Local JSONL lines reach the file before the next records are taken
         # (no sync: cheap), so a SIGKILL loses only records still queued; the
@@ -165,12 +188,13 @@ class Sinks:
             self._jsonl.flush()
             self._jsonl_flushed = now
         if epoch:
-            self._writer.flush()
+            for writer in self._run_writers():
+                writer.flush()
         if self._wandb_run is not None:
-            for record, values in zip(records, scalars):
+            for record, entries in zip(records, series):
                 self._wandb_run.log(
-                    {f"{record['kind']}/{tag}": v
-                     for tag, v in values.items()},
+                    {f"{run}/{tag}": v for run, _, values in entries
+                     for tag, v in values.items() if v is not None},
                     step=record["step"],
                 )
 
@@ -244,40 +268,101 @@ def _event_writer(writer):
     return write
 
 
-def _summary_proto(record: dict, scalars: dict) -> bytes:
-    """A serialized `Summary` of a record, as `tf.summary.scalar` (and, for a
-    resume marker, `tf.summary.text`) write them."""
+def _summary_proto(record: dict, values: dict) -> bytes:
+    """A serialized `Summary` of one run's values of a record, as
+    `tf.summary.scalar` (and, for a resume marker, `tf.summary.text`) write
+    them: a string value is text."""
     from tensorboard.compat.proto import summary_pb2
     from tensorboard.plugins.scalar import metadata as scalar_metadata
     from tensorboard.plugins.text import metadata as text_metadata
 
     summary = summary_pb2.Summary()
-    if record["kind"] == "resume":
-        entry = summary.value.add(tag="resume")
-        entry.metadata.CopyFrom(text_metadata.create_summary_metadata(
-            display_name=None, description=None))
-        entry.tensor.dtype = 7  # DT_STRING
-        entry.tensor.string_val.append(record["resume"]["text"].encode())
-        return summary.SerializeToString()
-    metadata = scalar_metadata.create_summary_metadata(
+    scalar = scalar_metadata.create_summary_metadata(
         display_name=None, description=None)
-    for tag, value in scalars.items():
-        entry = summary.value.add(tag=f"{record['kind']}/{tag}")
-        entry.metadata.CopyFrom(metadata)
-        entry.tensor.dtype = 1  # DT_FLOAT
-        entry.tensor.float_val.append(value)
+    text = text_metadata.create_summary_metadata(
+        display_name=None, description=None)
+    for tag, value in values.items():
+        entry = summary.value.add(tag=tag)
+        if isinstance(value, str):
+            entry.metadata.CopyFrom(text)
+            entry.tensor.dtype = 7  # DT_STRING
+            entry.tensor.string_val.append(value.encode())
+        else:
+            entry.metadata.CopyFrom(scalar)
+            entry.tensor.dtype = 1  # DT_FLOAT
+            entry.tensor.float_val.append(value)
     return summary.SerializeToString()
 
 
-def _scalars(record: dict, prefix: str = "") -> dict:
-    """The numeric leaves of a record, keyed by their path."""
-    out = {}
-    for key, value in record.items():
-        if key in ("kind", "epoch", "step", "time", "resume"):
-            continue
-        tag = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(_scalars(value, f"{tag}/"))
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            out[tag] = float(value)
+def tensorboard_scalars(record: dict) -> list:
+    """A record's TensorBoard series, in Keras `TensorBoard`'s layout.
+
+    Returns `[(run, step, {tag: value})]`. Keras's own names come first:
+    `epoch_<metric>` (step: the epoch) in the `train` run, and without the
+    `val_` prefix in the `validation` run, which also has
+    `evaluation_<metric>_vs_iterations` (step: the global step);
+    `epoch_learning_rate` and `epoch_steps_per_second`; window records give
+    `batch_<metric>` and `batch_steps_per_second` at the global step. The
+    telemetry follows in named groups, `<group>/epoch_<name>` or
+    `<group>/batch_<name>`: `throughput`, `input`, `distribution` (with more
+    than one worker), `mixed_precision` (with a loss scale), `accumulation`
+    (with a `GradientAccumulationModel`) and `memory` (with GPUs). A value
+    the run does not have is not written, nor are the run's constants
+    (`workers`, `replicas`: in the JSONL records).
+    """
+    kind = record["kind"]
+    if kind == "resume":
+        return [("train", record["step"], {"resume": record["resume"]["text"]})]
+    prefix = "batch_" if kind == "window" else "epoch_"
+    step = record["step"] if kind == "window" else record["epoch"]
+    train, validation = {}, {}
+    for name, value in record["metrics"].items():
+        if name.startswith("val_"):
+            validation[f"epoch_{name[4:]}"] = value
+        else:
+            train[f"{prefix}{name}"] = value
+    if kind == "epoch":
+        train["epoch_learning_rate"] = record["learning_rate"]
+    train[f"{prefix}steps_per_second"] = record["steps"] / record["seconds"]
+    groups = {
+        "throughput": {
+            "examples_per_sec": record["examples_per_sec"],
+            "examples_per_sec_per_replica": (
+                record["examples_per_sec_per_replica"]
+                if record["replicas"] > 1 else None),
+            "step_time_mean": record["step_time_mean"],
+            "step_time_max": record["step_time_max"],
+        },
+        "input": {"wait": record["input_wait"]},
+        "mixed_precision": {"loss_scale": record["loss_scale"],
+                            "skipped_steps": record["skipped_steps"]},
+        "accumulation": {"grad_norm": record["grad_norm"]},
+        "memory": {f"{device}_{key}": value
+                   for device, figures in record["memory"].items()
+                   for key, value in figures.items()},
+    }
+    if record["workers"] > 1:
+        groups["distribution"] = {
+            f"{name}_{stat}": (spread or {}).get(stat)
+            for name, spread in (
+                ("step_time", record["worker_step_time"]),
+                ("examples_per_sec", record["worker_examples_per_sec"]),
+                ("input_wait", record["worker_input_wait"]))
+            for stat in ("min", "mean", "max")
+        }
+        groups["distribution"]["slowest_worker"] = record["slowest_worker"]
+    for group, values in groups.items():
+        for name, value in values.items():
+            train[f"{group}/{prefix}{name}"] = value
+    out = [("train", step, _present(train))]
+    if validation:
+        out.append(("validation", step, _present(validation)))
+        out.append(("validation", record["step"], {
+            f"evaluation_{tag[len('epoch_'):]}_vs_iterations": value
+            for tag, value in _present(validation).items()}))
     return out
+
+
+def _present(values: dict) -> dict:
+    return {tag: float(value) for tag, value in values.items()
+            if value is not None}

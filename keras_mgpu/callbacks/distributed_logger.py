@@ -95,11 +95,34 @@ class DistributedLogger(keras.callbacks.Callback):
     - across workers: min/mean/max of step time and examples/s, and the rank
       of the slowest worker.
 
-    Only the chief writes: TensorBoard scalars (`<log_dir>/train`), one JSON
-    object per record in `<log_dir>/metrics.jsonl` (keys: `JSONL_KEYS`), a
-    wandb run and profiler traces. Other workers create nothing, but run the
-    same reads at the same batches, since reading global metrics and the
-    cross-worker figures are collectives that every worker must join.
+    Only the chief writes: TensorBoard events, one JSON object per record in
+    `<log_dir>/metrics.jsonl` (keys: `JSONL_KEYS`), a wandb run and profiler
+    traces. Other workers create nothing, but run the same reads at the same
+    batches, since reading global metrics and the cross-worker figures are
+    collectives that every worker must join.
+
+    TensorBoard gets Keras `TensorBoard`'s layout, so its curves overlay
+    and existing dashboards keep working:
+    - `<log_dir>/train`: `epoch_loss`, `epoch_<metric>`,
+      `epoch_learning_rate` and `epoch_steps_per_second` at step = epoch;
+      from each window, `batch_loss`, `batch_<metric>` and
+      `batch_steps_per_second` at the global step;
+    - `<log_dir>/validation`: `epoch_loss`, `epoch_<metric>` (without
+      `val_`) at step = epoch, and `evaluation_<metric>_vs_iterations` at
+      the global step;
+    - the telemetry, in the `train` run, in groups: `throughput/`, `input/`,
+      `distribution/` (more than one worker), `mixed_precision/` (with a
+      loss scale), `accumulation/` (`GradientAccumulationModel`) and
+      `memory/` (with GPUs), each tag `<group>/epoch_<name>` or
+      `<group>/batch_<name>`. A figure the run does not have is not written
+      (no loss scale without one), nor are constants (`workers`,
+      `replicas`); wandb gets the same tags as `<run>/<tag>`;
+    - `tf.summary` calls in the model land in the `train` run at the last
+      batch of each window, at its global step, and in the `validation`
+      run at the first batch of each validation, at the global step it
+      follows (none with `update_freq="epoch"`, as in Keras, nor with
+      `jit_compile=True`: XLA cannot compile them);
+    - `resume`: text at each resume.
 
     Cost: nothing is read from the device between records. The callback
     only hooks batch *begin*, so Keras does not convert per-batch logs for
@@ -163,7 +186,8 @@ class DistributedLogger(keras.callbacks.Callback):
         profile_steps: Defaults to `None`. `(start, stop)`: capture a
             TensorBoard/xprof profile on the chief from train batch `start`
             to batch `stop`, both included, counted from 1 over the whole
-            training, into `<log_dir>/train/plugins/profile/`.
+            training, into `<log_dir>/train/plugins/profile/`. Each batch is
+            marked as a step, so xprof's overview shows step times.
         console: Defaults to `True`. Print a one-line summary per epoch on
             the chief (after Keras's progress bar has finished its line).
 
@@ -211,6 +235,10 @@ class DistributedLogger(keras.callbacks.Callback):
         self._runtime = None
         self._sinks = None
         self._profiling = False
+        self._step_trace = None
+        self._held = []  # records closed while profiling, written after
+        self._summary_step = None  # the chief's step for the model's summaries
+        self._summaries = False
         self._pending_console = None
         self._logged_resumes = set()
 
@@ -245,8 +273,14 @@ class DistributedLogger(keras.callbacks.Callback):
         # stopped here, and its sinks (whose writer has stopped by itself)
         # take this fit's records after the ones it wrote.
         self._stop_profiler()
+        self._leave_summary_scope()
         if self._chief and self._sinks is None:
             self._sinks = Sinks(self.log_dir, self.wandb_config)
+        # XLA cannot compile summary ops: a jit-compiled step records none
+        # (Keras's `TensorBoard` decides at trace time, and records none).
+        if (self._chief and self.update_freq != "epoch"
+                and not getattr(self.model, "jit_compile", False)):
+            self._enter_summary_scope()
 
     def on_epoch_begin(self, epoch, logs=None):
         self._runtime.epoch_begin(epoch)
@@ -280,6 +314,10 @@ class DistributedLogger(keras.callbacks.Callback):
             self._window_id = window_id
         if self._last is None:
             self._last = self._snapshot(runtime.counters())
+        if self._summaries:
+            self._record_summaries(
+                (batch + 1) % self._freq == 0
+                or batch + 1 == (self.params or {}).get("steps"))
         steps = runtime.global_step - runtime.completed_steps
         timed = runtime.input_timed
         self._window.add(steps, self._last, now, timed)
@@ -295,11 +333,22 @@ class DistributedLogger(keras.callbacks.Callback):
         # `on_epoch_end`: close the training figures before it starts (and
         # before `evaluate` resets the metrics).
         self._runtime.test_begin()
+        self._end_step_trace()
         if self._in_epoch and self._epoch_record is None:
             self._finish_epoch()
+        self._validation_summaries(True)
+
+    def on_test_batch_begin(self, batch, logs=None):
+        if batch == 1:
+            self._record_summaries(False)
+
+    def on_test_end(self, logs=None):
+        self._validation_summaries(False)
 
     def on_epoch_end(self, epoch, logs=None):
         self._runtime.epoch_end(epoch)
+        self._end_step_trace()
+        self._record_summaries(False)
         if self._epoch_record is None:
             self._finish_epoch()
         self._in_epoch = False
@@ -317,6 +366,7 @@ class DistributedLogger(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         self._runtime.train_end()
         self._stop_profiler()
+        self._leave_summary_scope()
         self._flush_console()
         if self._sinks is not None:
             sinks, self._sinks = self._sinks, None
@@ -325,6 +375,11 @@ class DistributedLogger(keras.callbacks.Callback):
     # --- Records -------------------------------------------------------------
 
     def _submit(self, record: dict) -> None:
+        if self._profiling:
+            # Nothing of the logger's own in the profile: its writes (the
+            # first traces the event writer) can hide xprof's step markers.
+            self._held.append(record)
+            return
         try:
             self._sinks.submit(record)
         except RuntimeError:
@@ -506,6 +561,75 @@ class DistributedLogger(keras.callbacks.Callback):
         """
         _print_msg(text)
 
+    # --- The model's own summaries --------------------------------------------
+
+    def _enter_summary_scope(self):
+        """Routes `tf.summary` calls in the model to the chief's run writers,
+        as Keras's `TensorBoard` does: in training, to `train` at the last
+        batch of each window (at the window record's global step), in
+        validation to `validation` at its first batch.
+
+        The `train` writer is the default only inside each train step
+        (entered by the runtime, about 12 us a step), so what other
+        callbacks write to the default writer (a stock `TensorBoard`'s
+        `batch_*` scalars) does not land in this run. The recording
+        condition, set once per fit, gates only summaries inside compiled
+        functions: eager ones (a stock `TensorBoard`'s epoch scalars and
+        histograms) record as they would without it. With
+        `run_eagerly=True` the model's summaries are eager too: there both
+        apply inside each step only. The step is a variable, not a Python
+        number: the train function is compiled once, and a number would be
+        frozen into it at trace time.
+        """
+        if self._summary_step is None:
+            self._summary_step = strategy_lib.local_variable(-1, tf.int64)
+        step = self._summary_step
+        self._summaries = True
+        self._summary_at = -1
+        self._summary_contexts = []
+        writer = self._sinks.run_writer("train")
+        if self.model.run_eagerly:
+            self._runtime.scope_steps(lambda: _summary_scope(writer, step))
+            return
+        self._enter_context(tf.summary.record_if(_in_compiled_at(step)))
+        self._runtime.scope_steps(lambda: writer.as_default(step=step))
+
+    def _enter_context(self, context) -> None:
+        context.__enter__()
+        self._summary_contexts.append(context)
+
+    def _record_summaries(self, on: bool) -> None:
+        if not self._summaries:
+            return
+        at = self.global_step if on else -1
+        if at != self._summary_at:  # twice per window
+            self._summary_step.assign(at)
+            self._summary_at = at
+
+    def _validation_summaries(self, begin: bool) -> None:
+        """During `fit`'s validation, the model's summaries go to the
+        `validation` run, recorded at the first batch of each validation, at
+        the global step it follows (`evaluation_*_vs_iterations`'s). Keras's
+        test function is not the runtime's to wrap: the writer is the
+        default for the whole validation."""
+        if not self._summaries or self.model.run_eagerly:
+            return
+        self._record_summaries(begin)
+        if begin and len(self._summary_contexts) == 1:
+            self._enter_context(self._sinks.run_writer("validation").as_default(
+                step=self._summary_step))
+        elif not begin and len(self._summary_contexts) == 2:
+            self._summary_contexts.pop().__exit__(None, None, None)
+
+    def _leave_summary_scope(self):
+        """Stops routing the model's summaries (at train end, or at the next
+        train begin after a `fit` that raised)."""
+        if self._summaries:
+            self._record_summaries(False)
+            while self._summary_contexts:
+                self._summary_contexts.pop().__exit__(None, None, None)
+            self._summaries = False
+
     # --- Profiler ------------------------------------------------------------
 
     def _update_profiler(self):
@@ -529,11 +653,29 @@ class DistributedLogger(keras.callbacks.Callback):
                     stacklevel=2,
                 )
                 self.profile_steps = None
+        self._end_step_trace()
+        if self._profiling:
+            # A root trace event (`_r=1`) with the step number is xprof's
+            # step marker: without it the overview shows no step time.
+            # Keras's own batch trace has no `_r` and is not recognised.
+            self._step_trace = tf.profiler.experimental.Trace(
+                "train", step_num=step, _r=1)
+            self._step_trace.__enter__()
+
+    def _end_step_trace(self):
+        if self._step_trace is not None:
+            trace, self._step_trace = self._step_trace, None
+            trace.__exit__(None, None, None)
 
     def _stop_profiler(self):
+        self._end_step_trace()
         if self._profiling:
             tf.profiler.experimental.stop()
             self._profiling = False
+        held, self._held = self._held, []
+        if self._sinks is not None:
+            for record in held:
+                self._submit(record)
 
 
 # --- Helpers -----------------------------------------------------------------
@@ -708,6 +850,24 @@ def _record(kind, epoch, step, measured, common, metrics, resume=None) -> dict:
               "step": step, "time": time.time(), "metrics": metrics,
               "resume": resume}
     return {key: values.get(key) for key in JSONL_KEYS}
+
+
+def _in_compiled_at(step: tf.Variable):
+    """A `tf.summary.record_if` condition: inside compiled functions, where
+    `step` >= 0; eager summaries always (as without the condition)."""
+
+    def recording():
+        return step >= 0 if tf.inside_function() else True
+
+    return recording
+
+
+@contextlib.contextmanager
+def _summary_scope(writer, step: tf.Variable):
+    """`writer` as the default, recording where `step` >= 0, at `step`."""
+    with writer.as_default(step=step), tf.summary.record_if(
+            lambda: step >= 0):
+        yield
 
 
 def _print_msg(text: str) -> None:
