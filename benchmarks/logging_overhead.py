@@ -11,6 +11,10 @@ A second figure is steadier on a shared machine: the share of the epoch
 spent inside the callback's own hooks on the training thread (Keras runs
 them between steps). It leaves out work a callback moves to other threads.
 
+Then the fixed cost per `fit`: fits of 2 steps, again and again with the
+same model and the same callback objects (a `fit(epochs=1)` loop, or many
+short fits), each configuration's median fit time against no callback.
+
     python benchmarks/logging_overhead.py
     python benchmarks/logging_overhead.py --rounds 10 --width 512 --batch 256
 """
@@ -100,6 +104,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--features", type=int, default=32)
     parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--short-fits", type=int, default=20,
+                        help="2-step fits per configuration for the "
+                             "per-fit cost (0: skip)")
     args = parser.parse_args(argv)
 
     rng = np.random.default_rng(0)
@@ -150,7 +157,46 @@ def main(argv=None) -> dict:
         ratios[name] = float(median)
         print(f"{name:<36} {np.median(seconds):>8.3f} {median:>7.3f} "
               f"{q1:>6.3f}-{q3:<6.3f} {100 * np.median(share):>8.2f}%")
+    if args.short_fits:
+        ratios.update(short_fits(args, x[:2 * args.batch], y[:2 * args.batch]))
     return ratios
+
+
+def short_fits(args, x, y) -> dict:
+    """Median time of a 2-step `fit` per configuration, the same model and
+    callback objects every time, configurations taking turns."""
+    log_root = tempfile.mkdtemp(prefix="logging_short_fits_")
+    names = ["no callback", "TensorBoard(update_freq='epoch')",
+             "DistributedLogger(update_freq=100)"]
+    try:
+        configs = configurations(log_root)
+        runs = {name: (build(args.features, args.width), configs[name]())
+                for name in names}
+        times = {name: [] for name in names}
+        for round_ in range(args.short_fits + 2):
+            for name, (model, callbacks) in runs.items():
+                start = time.perf_counter()
+                model.fit(x, y, batch_size=args.batch, epochs=1, verbose=0,
+                          callbacks=callbacks)
+                if round_ >= 2:  # the first fits trace and open files
+                    times[name].append(time.perf_counter() - start)
+    finally:
+        shutil.rmtree(log_root, ignore_errors=True)
+    base = np.array(times["no callback"])
+    print(f"\nFixed cost per fit: {args.short_fits} fits of 2 steps each, "
+          f"the same model and callbacks")
+    header = f"{'callback':<36} {'fit ms':>8} {'+ ms':>7} {'x none':>7}"
+    print(header)
+    print("-" * len(header))
+    out = {}
+    for name in names:
+        seconds = np.array(times[name])
+        ratio = float(np.median(seconds / base))
+        out[f"{name} per fit"] = ratio
+        print(f"{name:<36} {1000 * np.median(seconds):>8.1f} "
+              f"{1000 * (np.median(seconds) - np.median(base)):>7.1f} "
+              f"{ratio:>7.3f}")
+    return out
 
 
 if __name__ == "__main__":

@@ -503,6 +503,45 @@ def callback_siblings(callback):
 # Keras's `train_step` (and `compat.track_loss`) feeds the loss tracker with
 # `sample_weight=batch_size`, so the tracker's `count` is the number of
 # samples trained on since the metrics were last reset (each epoch).
+class _SummaryScope:
+    """Sets this thread's default `tf.summary` writer, step and recording
+    condition, and puts back what was there: what `writer.as_default(step)`
+    with `tf.summary.record_if(condition)` do, without the flush of the
+    writer on every exit and in a few attribute writes (it is entered
+    around every train step)."""
+
+    __slots__ = ("_state", "_new", "_old")
+
+    def __init__(self, state, writer, step, condition):
+        self._state = state
+        self._new = (writer, step, condition)
+        self._old = None
+
+    def __enter__(self):
+        state = self._state
+        self._old = (state.writer, state.step, state.is_recording)
+        state.writer, state.step, state.is_recording = self._new
+        return self
+
+    def __exit__(self, *exc):
+        state = self._state
+        state.writer, state.step, state.is_recording = self._old
+        return False
+
+
+def summary_scope(writer, step, condition) -> _SummaryScope:
+    """A context in which `tf.summary` calls write to `writer` at `step`
+    where `condition()` holds (TensorFlow's own summary state: it has no
+    public setter without a flush per use)."""
+    from tensorflow.python.ops import summary_ops_v2
+
+    used_for = "DistributedLogger's recording of the model's summaries"
+    state = _require(summary_ops_v2, "_summary_state", used_for)
+    for name in ("writer", "step", "is_recording"):
+        _require(state, name, used_for)
+    return _SummaryScope(state, writer, step, condition)
+
+
 def loss_tracker(model, used_for: str = _TELEMETRY):
     """The compiled model's `loss` metric (a `Mean`), or None if uncompiled."""
     if not getattr(model, "compiled", False):

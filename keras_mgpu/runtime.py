@@ -249,8 +249,8 @@ class TrainingRuntime:
     def scope_steps(self, scope: Optional[Callable[[], ContextManager]]
                     ) -> None:
         """Enters `scope()` around every trained step of this `fit` (None:
-        none): a context only the model's own step sees, such as a default
-        summary writer, and no other callback's hooks."""
+        none): a context only the model's own step sees (a default summary
+        writer), not other callbacks' hooks."""
         self._step_scope = scope
 
     # --- reading ------------------------------------------------------------

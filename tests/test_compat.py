@@ -6,6 +6,7 @@ import warnings
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from packaging.version import Version
 
 from keras_mgpu import GradientAccumulationModel, compat
@@ -213,3 +214,31 @@ def test_reshaped_kerastuner_callback_is_refused():
     with pytest.raises(compat.KerasInternalsError,
                        match=f"KerasTuner {keras_tuner.__version__}"):
         compat.tuner_and_trial([callback])
+
+
+def test_summary_scope_sets_and_restores_tensorflows_summary_state(tmp_path):
+    writer = tf.summary.create_file_writer(str(tmp_path))
+    step = tf.Variable(-1, dtype=tf.int64)
+    with compat.summary_scope(writer, step, lambda: step >= 0):
+        # Where the condition fails nothing is written; where it holds, at
+        # the variable's value.
+        assert not tf.summary.scalar("x", 1.0)
+        step.assign(7)
+        assert tf.summary.scalar("x", 2.0)
+    # Outside, TensorFlow's own state is back: no writer, no step.
+    assert tf.summary.experimental.get_step() is None
+    assert not tf.summary.scalar("x", 3.0)
+    writer.flush()
+    [path] = tf.io.gfile.glob(str(tmp_path / "events.out.tfevents.*"))
+    written = [(e.step, float(tf.make_ndarray(v.tensor)))
+               for e in tf.compat.v1.train.summary_iterator(path)
+               for v in e.summary.value]
+    assert written == [(7, 2.0)]
+
+
+def test_summary_scope_needs_tensorflows_summary_state(monkeypatch):
+    from tensorflow.python.ops import summary_ops_v2
+
+    monkeypatch.delattr(summary_ops_v2, "_summary_state")
+    with pytest.raises(compat.KerasInternalsError, match="_summary_state"):
+        compat.summary_scope(None, None, None)

@@ -23,6 +23,13 @@ IDLE_SECONDS = 0.5
 _CLOSE = object()  # queued by `close`: write what precedes, then stop
 
 
+class _Drain:
+    """Queued by `drain`: set once everything before it is written."""
+
+    def __init__(self):
+        self.done = threading.Event()
+
+
 class Sinks:
     """The chief's outputs, written in order by one background thread.
 
@@ -81,11 +88,24 @@ class Sinks:
         self._raise_error()
         self._put(record)
 
+    def drain(self) -> None:
+        """Returns once every queued record is written and flushed; the
+        outputs stay open for the next `fit`."""
+        marker = _Drain()
+        self._put(marker)
+        thread = self._thread
+        # The thread sets the marker whatever its writes did; a thread gone
+        # without setting it (a bug) must not hang training.
+        while not marker.done.wait(1.0):
+            if not thread.is_alive():
+                break
+        self._raise_error()
+
     def close(self) -> None:
         """Writes every queued record, then closes the outputs."""
         self._put(_CLOSE)
         self._thread.join()
-        for writer in self._run_writers():
+        for writer in self.run_writers():
             writer.close()
         self._jsonl.close()
         if self._wandb_run is not None:
@@ -127,12 +147,18 @@ class Sinks:
             while not self._queue.empty():
                 records.append(self._queue.get())
             closing = any(r is _CLOSE for r in records)
-            records = [r for r in records if r is not _CLOSE]
+            drains = [r for r in records if isinstance(r, _Drain)]
+            records = [r for r in records
+                       if r is not _CLOSE and not isinstance(r, _Drain)]
             if records and self._error is None:
                 try:
                     self._write(records)
                 except Exception as error:  # raised on the training thread
                     self._error = error
+            if drains:
+                self._flush()
+                for marker in drains:
+                    marker.done.set()
             if closing:
                 self._flush()
                 with self._lock:
@@ -142,7 +168,7 @@ class Sinks:
     def _flush(self) -> None:
         try:
             self._jsonl.flush()
-            for writer in self._run_writers():
+            for writer in self.run_writers():
                 writer.flush()
         except Exception as error:  # raised on the training thread
             if self._error is None:
@@ -151,17 +177,29 @@ class Sinks:
     def run_writer(self, run: str):
         """The summary writer of a TensorBoard run (`train`, `validation`),
         created on first use, as Keras's `TensorBoard` does: a run without
-        validation has no `validation` folder."""
-        with self._writers_lock:
-            if run not in self._writers:
-                writer = tf.summary.create_file_writer(
-                    tf.io.gfile.join(self._log_dir, run),
-                    max_queue=10_000, flush_millis=1_000,
-                )
-                self._writers[run] = (writer, _event_writer(writer))
-            return self._writers[run][0]
+        validation has no `validation` folder.
 
-    def _run_writers(self) -> list:
+        Called on the training thread (the logger creates its runs there):
+        its event writer is traced here, not on the writer thread, because
+        tracing on two threads at once can put one graph's ops in the other
+        (TensorFlow's name scopes are shared: a flush of this writer landed
+        in a function the training thread was tracing).
+        """
+        with self._writers_lock:
+            if run in self._writers:
+                return self._writers[run][0]
+        # Traced outside the lock: the logger's recording condition, which
+        # the trace evaluates, reads `run_writers`.
+        writer = tf.summary.create_file_writer(
+            tf.io.gfile.join(self._log_dir, run),
+            max_queue=10_000, flush_millis=1_000,
+        )
+        write = _event_writer(writer).get_concrete_function()
+        with self._writers_lock:
+            return self._writers.setdefault(run, (writer, write))[0]
+
+    def run_writers(self) -> list:
+        """The runs' summary writers created so far."""
         with self._writers_lock:
             return [writer for writer, _ in self._writers.values()]
 
@@ -175,7 +213,7 @@ class Sinks:
                 by_run[run][0].append(_summary_proto(record, values))
                 by_run[run][1].append(step)
         for run, (protos, steps) in by_run.items():
-            self.run_writer(run)
+            self.run_writer(run)  # created already, by the logger
             self._writers[run][1](tf.constant(protos),
                                   tf.constant(steps, tf.int64))
         epoch = any(r["kind"] == "epoch" for r in records)
@@ -188,7 +226,7 @@ class Sinks:
             self._jsonl.flush()
             self._jsonl_flushed = now
         if epoch:
-            for writer in self._run_writers():
+            for writer in self.run_writers():
                 writer.flush()
         if self._wandb_run is not None:
             for record, entries in zip(records, series):
@@ -253,14 +291,16 @@ def _rewrite_jsonl(path: str, torn: bool):
 
 def _event_writer(writer):
     """One compiled call writes a batch of serialized `Summary` protos, each
-    at its own step: one dispatch for any number of records."""
+    at its own step: one dispatch for any number of records. Always
+    recording, whatever `record_if` the thread tracing it is under (the
+    logger's own gates the model's summaries)."""
 
     @tf.function(input_signature=(
         tf.TensorSpec([None], tf.string),
         tf.TensorSpec([None], tf.int64),
     ))
     def write(serialized, steps):
-        with writer.as_default():
+        with writer.as_default(), tf.summary.record_if(True):
             for i in tf.range(tf.size(steps)):
                 tf.summary.experimental.write_raw_pb(
                     serialized[i], step=steps[i])

@@ -9,6 +9,7 @@ import os
 import sys
 import time
 import warnings
+import weakref
 from typing import Optional, Union
 
 import keras
@@ -16,6 +17,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging as absl_logging
 
+from keras_mgpu import compat
 from keras_mgpu._checks import is_nonempty_path, is_positive_int
 from keras_mgpu import strategy as strategy_lib
 from keras_mgpu.callbacks._sinks import Sinks
@@ -117,11 +119,10 @@ class DistributedLogger(keras.callbacks.Callback):
       `<group>/batch_<name>`. A figure the run does not have is not written
       (no loss scale without one), nor are constants (`workers`,
       `replicas`); wandb gets the same tags as `<run>/<tag>`;
-    - `tf.summary` calls in the model land in the `train` run at the last
-      batch of each window, at its global step, and in the `validation`
-      run at the first batch of each validation, at the global step it
-      follows (none with `update_freq="epoch"`, as in Keras, nor with
-      `jit_compile=True`: XLA cannot compile them);
+    - `tf.summary` calls in the model's train step land in the `train`
+      run at the last batch of each window, at its global step (none with
+      `update_freq="epoch"`, as in Keras, nor with `jit_compile=True`,
+      which cannot compile them; validation's are not recorded);
     - `resume`: text at each resume.
 
     Cost: nothing is read from the device between records. The callback
@@ -234,6 +235,8 @@ class DistributedLogger(keras.callbacks.Callback):
         self.console = console
         self._runtime = None
         self._sinks = None
+        self._sinks_closer = None
+        self._reader = None  # (what it reads, the compiled read)
         self._profiling = False
         self._step_trace = None
         self._held = []  # records closed while profiling, written after
@@ -241,6 +244,14 @@ class DistributedLogger(keras.callbacks.Callback):
         self._summaries = False
         self._pending_console = None
         self._logged_resumes = set()
+
+    def __deepcopy__(self, memo):
+        # A copy (KerasTuner copies callbacks for every trial) is a new
+        # logger with the same arguments: open files and threads stay here.
+        return type(self)(
+            self.log_dir, self.update_freq, batch_size=self.batch_size,
+            wandb=self.wandb_config, profile_steps=self.profile_steps,
+            console=self.console)
 
     @property
     def global_step(self) -> int:
@@ -264,10 +275,11 @@ class DistributedLogger(keras.callbacks.Callback):
             float("inf") if self.update_freq == "epoch" else self.update_freq
         )
         self._profile = self.profile_steps is not None and self._chief
-        # Read at the first trained batch (after any resume), and traced at
-        # the first record of this fit (the metrics exist by then).
+        # Read at the first trained batch (after any resume). The reader is
+        # traced at the first record (the metrics exist by then), and kept
+        # for the next `fit` while it would read the same objects.
         self._last = None
-        self._reader = None
+        self._reader_checked = False
         _memory(self._num_gpus, reset=True)
         # A `fit` that raised never reached `on_train_end`: its profile is
         # stopped here, and its sinks (whose writer has stopped by itself)
@@ -276,6 +288,12 @@ class DistributedLogger(keras.callbacks.Callback):
         self._leave_summary_scope()
         if self._chief and self._sinks is None:
             self._sinks = Sinks(self.log_dir, self.wandb_config)
+            if self.wandb_config is None:
+                # Kept across `fit` calls (files, writers, the compiled event
+                # writer): a short fit costs no more than a record. Closed
+                # when the logger is dropped, or at exit.
+                self._sinks_closer = weakref.finalize(
+                    self, _close_when_collected, self._sinks)
         # XLA cannot compile summary ops: a jit-compiled step records none
         # (Keras's `TensorBoard` decides at trace time, and records none).
         if (self._chief and self.update_freq != "epoch"
@@ -336,14 +354,9 @@ class DistributedLogger(keras.callbacks.Callback):
         self._end_step_trace()
         if self._in_epoch and self._epoch_record is None:
             self._finish_epoch()
-        self._validation_summaries(True)
-
-    def on_test_batch_begin(self, batch, logs=None):
-        if batch == 1:
-            self._record_summaries(False)
-
-    def on_test_end(self, logs=None):
-        self._validation_summaries(False)
+        self._record_summaries(False)
+        if self._in_epoch and self._sinks is not None:
+            self._sinks.run_writer("validation")  # on this thread: see there
 
     def on_epoch_end(self, epoch, logs=None):
         self._runtime.epoch_end(epoch)
@@ -368,9 +381,17 @@ class DistributedLogger(keras.callbacks.Callback):
         self._stop_profiler()
         self._leave_summary_scope()
         self._flush_console()
-        if self._sinks is not None:
-            sinks, self._sinks = self._sinks, None
-            sinks.close()
+        if self._sinks is None:
+            return
+        if self.wandb_config is None:
+            try:
+                self._sinks.drain()  # everything on disk when `fit` returns
+            except RuntimeError:
+                self._close_sinks()
+                raise
+        else:
+            # One wandb run per `fit`, finished with it.
+            self._close_sinks()
 
     # --- Records -------------------------------------------------------------
 
@@ -386,10 +407,16 @@ class DistributedLogger(keras.callbacks.Callback):
             # A write failed: training stops here, so close the outputs now
             # (the wandb run finished, the files closed) rather than leave
             # them open. Only the first failure is raised.
-            sinks, self._sinks = self._sinks, None
             with contextlib.suppress(Exception):
-                sinks.close()
+                self._close_sinks()
             raise
+
+    def _close_sinks(self) -> None:
+        sinks, self._sinks = self._sinks, None
+        closer, self._sinks_closer = self._sinks_closer, None
+        if closer is not None:
+            closer.detach()
+        sinks.close()
 
     def _log_resumes(self):
         for event in self._runtime.resumed_here:
@@ -500,11 +527,20 @@ class DistributedLogger(keras.callbacks.Callback):
             # read eagerly, its variables may not exist.
             raw = _read_values(self.model, self._runtime)
         else:
+            if not self._reader_checked:
+                # Once per fit: the key walks the model's metrics.
+                self._reader_checked = True
+                key = _reader_key(self.model, self._runtime)
+                if self._reader is not None and self._reader[0] != key:
+                    self._reader = None
             if self._reader is None:
-                self._reader = tf.function(
+                # The concrete function holds what it reads, so the ids in
+                # the key stay theirs while it lives.
+                self._reader = (_reader_key(self.model, self._runtime),
+                                tf.function(
                     lambda: _read_values(self.model, self._runtime),
-                    autograph=False).get_concrete_function()
-            raw = self._reader()
+                    autograph=False).get_concrete_function())
+            raw = self._reader[1]()
         values = {k: None if v is None else np.asarray(v)
                   for k, v in raw["counters"].items()}
         return {
@@ -564,70 +600,57 @@ class DistributedLogger(keras.callbacks.Callback):
     # --- The model's own summaries --------------------------------------------
 
     def _enter_summary_scope(self):
-        """Routes `tf.summary` calls in the model to the chief's run writers,
-        as Keras's `TensorBoard` does: in training, to `train` at the last
-        batch of each window (at the window record's global step), in
-        validation to `validation` at its first batch.
+        """Routes `tf.summary` calls in the model's train step to the
+        chief's `train` run, at the last batch of each window, at the
+        window record's global step.
 
-        The `train` writer is the default only inside each train step
-        (entered by the runtime, about 12 us a step), so what other
-        callbacks write to the default writer (a stock `TensorBoard`'s
-        `batch_*` scalars) does not land in this run. The recording
-        condition, set once per fit, gates only summaries inside compiled
-        functions: eager ones (a stock `TensorBoard`'s epoch scalars and
-        histograms) record as they would without it. With
-        `run_eagerly=True` the model's summaries are eager too: there both
-        apply inside each step only. The step is a variable, not a Python
-        number: the train function is compiled once, and a number would be
-        frozen into it at trace time.
+        The writer is the default only inside each train step (through the
+        runtime, a few attribute writes a step), so nothing other callbacks
+        write (a stock `TensorBoard`'s scalars, before, between and after
+        steps) meets it or its condition. The step is a variable, not a
+        Python number: the train function is compiled once, and a number
+        would be frozen into it at trace time.
         """
         if self._summary_step is None:
             self._summary_step = strategy_lib.local_variable(-1, tf.int64)
         step = self._summary_step
+        writer = self._sinks.run_writer("train")
+        seen = self._summary_ops = [False]
+
+        def recording():
+            # Called once per summary op while the step is traced (at every
+            # write in an eager step): a model without any is never
+            # recorded, and its step variable is never assigned.
+            seen[0] = True
+            return step >= 0
+
         self._summaries = True
         self._summary_at = -1
-        self._summary_contexts = []
-        writer = self._sinks.run_writer("train")
-        if self.model.run_eagerly:
-            self._runtime.scope_steps(lambda: _summary_scope(writer, step))
-            return
-        self._enter_context(tf.summary.record_if(_in_compiled_at(step)))
-        self._runtime.scope_steps(lambda: writer.as_default(step=step))
-
-    def _enter_context(self, context) -> None:
-        context.__enter__()
-        self._summary_contexts.append(context)
+        self._summary_windows = 0
+        self._runtime.scope_steps(
+            lambda: compat.summary_scope(writer, step, recording))
 
     def _record_summaries(self, on: bool) -> None:
         if not self._summaries:
             return
         at = self.global_step if on else -1
-        if at != self._summary_at:  # twice per window
+        if at == self._summary_at:
+            return
+        if on:
+            self._summary_windows += 1
+        # The assign waits for the step in flight, which reads the variable:
+        # only where the traced step has summary ops, and in a fit's first
+        # window (the step may not be traced yet).
+        if self._summary_ops[0] or self._summary_windows <= 1:
             self._summary_step.assign(at)
             self._summary_at = at
 
-    def _validation_summaries(self, begin: bool) -> None:
-        """During `fit`'s validation, the model's summaries go to the
-        `validation` run, recorded at the first batch of each validation, at
-        the global step it follows (`evaluation_*_vs_iterations`'s). Keras's
-        test function is not the runtime's to wrap: the writer is the
-        default for the whole validation."""
-        if not self._summaries or self.model.run_eagerly:
-            return
-        self._record_summaries(begin)
-        if begin and len(self._summary_contexts) == 1:
-            self._enter_context(self._sinks.run_writer("validation").as_default(
-                step=self._summary_step))
-        elif not begin and len(self._summary_contexts) == 2:
-            self._summary_contexts.pop().__exit__(None, None, None)
-
     def _leave_summary_scope(self):
-        """Stops routing the model's summaries (at train end, or at the next
-        train begin after a `fit` that raised)."""
+        """Stops recording the model's summaries (at train end, or at the
+        next train begin after a `fit` that raised)."""
         if self._summaries:
             self._record_summaries(False)
-            while self._summary_contexts:
-                self._summary_contexts.pop().__exit__(None, None, None)
+            self._runtime.scope_steps(None)
             self._summaries = False
 
     # --- Profiler ------------------------------------------------------------
@@ -755,6 +778,27 @@ def _read_values(model, runtime) -> dict:
     }
 
 
+def _close_when_collected(sinks: Sinks) -> None:
+    """Closes a dropped logger's outputs. Garbage collection can run this
+    while the thread is tracing a function: `init_scope` runs the writers'
+    flush and close now, not as ops of that function (where they would run
+    later, against writers gone by then)."""
+    with tf.init_scope():
+        sinks.close()
+
+
+def _reader_key(model, runtime) -> tuple:
+    """What `_read_values` reads, by identity: a recompiled model (new
+    optimizer or metrics) or a new runtime variable needs a new reader."""
+    window = getattr(model, "window_variables", None) or {}
+    return (
+        id(model), id(getattr(model, "optimizer", None)),
+        tuple(id(m) for m in getattr(model, "metrics", [])),
+        tuple(id(v) for v in runtime.counter_variables().values()),
+        id(window.get("grad_norm")),
+    )
+
+
 def _metrics_result(model) -> dict:
     """`model.get_metrics_result()` without the metrics nothing has updated
     yet (a hand-written loop), whose `result()` would raise."""
@@ -850,24 +894,6 @@ def _record(kind, epoch, step, measured, common, metrics, resume=None) -> dict:
               "step": step, "time": time.time(), "metrics": metrics,
               "resume": resume}
     return {key: values.get(key) for key in JSONL_KEYS}
-
-
-def _in_compiled_at(step: tf.Variable):
-    """A `tf.summary.record_if` condition: inside compiled functions, where
-    `step` >= 0; eager summaries always (as without the condition)."""
-
-    def recording():
-        return step >= 0 if tf.inside_function() else True
-
-    return recording
-
-
-@contextlib.contextmanager
-def _summary_scope(writer, step: tf.Variable):
-    """`writer` as the default, recording where `step` >= 0, at `step`."""
-    with writer.as_default(step=step), tf.summary.record_if(
-            lambda: step >= 0):
-        yield
 
 
 def _print_msg(text: str) -> None:
