@@ -771,3 +771,35 @@ def test_outputs_and_compiled_reads_are_kept_across_fits(tmp_path):
     del logger, readers
     gc.collect()
     assert sinks._jsonl.closed
+
+
+def test_the_models_summaries_follow_the_logger_the_step_was_traced_with(
+        tmp_path):
+    """A second fit with the same logger records its windows too; a new
+    logger for an already-traced model records none (the compiled step
+    holds the first logger's writer, as with Keras's TensorBoard) until
+    the model is compiled again."""
+    x, y = workers.regression_data(32)
+    model = keras.Sequential([keras.Input((8,)), SummaryLayer(),
+                              keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+
+    def fit(logger):
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False,
+                  callbacks=[logger])
+
+    def summary_steps(log_dir):
+        return [s for tag, points in read_scalars(log_dir).items()
+                if tag.endswith("/input_mean") for s, _ in points]
+
+    first = DistributedLogger(str(tmp_path / "a"), update_freq=2,
+                              console=False)
+    fit(first)
+    fit(first)
+    assert summary_steps(str(tmp_path / "a")) == [2, 4, 6, 8]
+    fit(DistributedLogger(str(tmp_path / "b"), update_freq=2, console=False))
+    assert summary_steps(str(tmp_path / "b")) == []
+    model.compile("sgd", "mse")  # a new train function, traced anew
+    fit(DistributedLogger(str(tmp_path / "c"), update_freq=2, console=False))
+    # The run's global step goes on across fits and loggers.
+    assert summary_steps(str(tmp_path / "c")) == [14, 16]

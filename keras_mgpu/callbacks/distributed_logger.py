@@ -122,7 +122,11 @@ class DistributedLogger(keras.callbacks.Callback):
     - `tf.summary` calls in the model's train step land in the `train`
       run at the last batch of each window, at its global step (none with
       `update_freq="epoch"`, as in Keras, nor with `jit_compile=True`,
-      which cannot compile them; validation's are not recorded);
+      which cannot compile them; validation's are not recorded). The
+      compiled step keeps the writer it was traced with, as with Keras's
+      `TensorBoard`: the logger of the model's first fit with one records
+      them, in all its fits; another logger records them once the model is
+      compiled again;
     - `resume`: text at each resume.
 
     Cost: nothing is read from the device between records. The callback
@@ -241,6 +245,7 @@ class DistributedLogger(keras.callbacks.Callback):
         self._step_trace = None
         self._held = []  # records closed while profiling, written after
         self._summary_step = None  # the chief's step for the model's summaries
+        self._summary_ops = [False]  # whether a traced step had any
         self._summaries = False
         self._pending_console = None
         self._logged_resumes = set()
@@ -615,12 +620,13 @@ class DistributedLogger(keras.callbacks.Callback):
             self._summary_step = strategy_lib.local_variable(-1, tf.int64)
         step = self._summary_step
         writer = self._sinks.run_writer("train")
-        seen = self._summary_ops = [False]
+        seen = self._summary_ops
 
         def recording():
             # Called once per summary op while the step is traced (at every
             # write in an eager step): a model without any is never
-            # recorded, and its step variable is never assigned.
+            # recorded, and its step variable is never assigned. Kept across
+            # fits: a later fit reuses the traced step.
             seen[0] = True
             return step >= 0
 
