@@ -103,8 +103,13 @@ class Sinks:
 
     def close(self) -> None:
         """Writes every queued record, then closes the outputs."""
-        self._put(_CLOSE)
-        self._thread.join()
+        with self._lock:
+            idle = not self._running and self._queue.empty()
+        if not idle:
+            self._put(_CLOSE)
+            self._thread.join()
+        # Idle (a drained logger dropped, or closed at exit, where Python
+        # 3.12+ refuses new threads): nothing to write, close here.
         for writer in self.run_writers():
             writer.close()
         self._jsonl.close()
