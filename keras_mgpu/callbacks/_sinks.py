@@ -55,8 +55,8 @@ class Sinks:
         # writer thread goes idle instead.
         self._log_dir = log_dir
         self._writers = {}  # run name: (writer, its compiled event writer)
-        # Runs are created by the writer thread and, for the model's own
-        # summaries, by the training thread.
+        # Runs are created by the logger on the training thread, and read
+        # by the writer thread.
         self._writers_lock = threading.Lock()
         self.run_writer("train")
         self._jsonl = _open_jsonl(tf.io.gfile.join(log_dir, "metrics.jsonl"))
@@ -184,17 +184,13 @@ class Sinks:
         created on first use, as Keras's `TensorBoard` does: a run without
         validation has no `validation` folder.
 
-        Called on the training thread (the logger creates its runs there):
-        its event writer is traced here, not on the writer thread, because
-        tracing on two threads at once can put one graph's ops in the other
-        (TensorFlow's name scopes are shared: a flush of this writer landed
-        in a function the training thread was tracing).
+        Its event writer is traced here, on the caller's thread (the logger
+        creates its runs on the training thread, `validation` at the first
+        validation), so the writer thread only runs compiled code.
         """
         with self._writers_lock:
             if run in self._writers:
                 return self._writers[run][0]
-        # Traced outside the lock: the logger's recording condition, which
-        # the trace evaluates, reads `run_writers`.
         writer = tf.summary.create_file_writer(
             tf.io.gfile.join(self._log_dir, run),
             max_queue=10_000, flush_millis=1_000,
