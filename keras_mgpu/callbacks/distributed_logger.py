@@ -533,18 +533,15 @@ class DistributedLogger(keras.callbacks.Callback):
             raw = _read_values(self.model, self._runtime)
         else:
             if not self._reader_checked:
-                # Once per fit: the key walks the model's metrics.
+                # Once per fit (the key walks the model's metrics). The
+                # concrete function holds what it reads, so the ids in the
+                # key stay theirs while it lives.
                 self._reader_checked = True
                 key = _reader_key(self.model, self._runtime)
-                if self._reader is not None and self._reader[0] != key:
-                    self._reader = None
-            if self._reader is None:
-                # The concrete function holds what it reads, so the ids in
-                # the key stay theirs while it lives.
-                self._reader = (_reader_key(self.model, self._runtime),
-                                tf.function(
-                    lambda: _read_values(self.model, self._runtime),
-                    autograph=False).get_concrete_function())
+                if self._reader is None or self._reader[0] != key:
+                    self._reader = (key, tf.function(
+                        lambda: _read_values(self.model, self._runtime),
+                        autograph=False).get_concrete_function())
             raw = self._reader[1]()
         values = {k: None if v is None else np.asarray(v)
                   for k, v in raw["counters"].items()}
