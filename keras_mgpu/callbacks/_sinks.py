@@ -208,11 +208,11 @@ class Sinks:
         self._jsonl.write("".join(json.dumps(r) + "\n" for r in records))
         series = [tensorboard_scalars(r) for r in records]
         by_run = {}
-        for record, entries in zip(records, series):
+        for entries in series:
             for run, step, values in entries:
-                by_run.setdefault(run, ([], []))
-                by_run[run][0].append(_summary_proto(record, values))
-                by_run[run][1].append(step)
+                protos, steps = by_run.setdefault(run, ([], []))
+                protos.append(_summary_proto(values))
+                steps.append(step)
         for run, (protos, steps) in by_run.items():
             self.run_writer(run)  # created already, by the logger
             self._writers[run][1](tf.constant(protos),
@@ -309,7 +309,7 @@ def _event_writer(writer):
     return write
 
 
-def _summary_proto(record: dict, values: dict) -> bytes:
+def _summary_proto(values: dict) -> bytes:
     """A serialized `Summary` of one run's values of a record, as
     `tf.summary.scalar` (and, for a resume marker, `tf.summary.text`) write
     them: a string value is text."""
