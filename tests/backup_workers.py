@@ -10,11 +10,13 @@ import numpy as np
 
 
 def train(backup_dir, preset="preemptible", save_freq=4, accum_steps=None,
-          epochs=3, steps=8, slow_save_after=None, pause_at=None,
-          virtual_cpus=None, **overrides):
+          epochs=3, steps=8, hold_write_of=None, report_held_at=None,
+          pause_at=None, virtual_cpus=None, **overrides):
     import keras_mgpu
 
     strategy = keras_mgpu.auto_strategy(virtual_cpus=virtual_cpus)
+
+    import threading
 
     import keras
     import tensorflow as tf
@@ -23,16 +25,22 @@ def train(backup_dir, preset="preemptible", save_freq=4, accum_steps=None,
     from tests import workers
 
     write = backup_and_restore._write_file
+    held = threading.Event()
 
-    def slow_write(path, data):
-        # Holds a save after its weights and variables files until the
-        # test, seeing the marker, kills the process: the kill lands inside
-        # the generation.
+    def holding_write(path, data):
+        # Holds the background write of generation `hold_write_of` after
+        # its weights and variables files until the test kills the
+        # process: the kill lands inside that generation.
         write(path, data)
         name = path.rsplit('/', 1)[-1]
-        print(f"WROTE {name};", flush=True)
-        if name == "variables.npz":
+        if (f"/.tmp-{hold_write_of}-" in path
+                and name == "variables.npz"):
+            print(f"HOLDING {name};", flush=True)
+            held.set()
             workers.hold_until_killed()
+
+    if hold_write_of is not None:
+        backup_and_restore._write_file = holding_write
 
     keras.utils.set_random_seed(0)
     global_batch = 16
@@ -58,6 +66,12 @@ def train(backup_dir, preset="preemptible", save_freq=4, accum_steps=None,
         epoch_step[0] = epoch * steps
 
     def on_batch_end(batch, logs):
+        if epoch_step[0] == pause_at:
+            # Saves before this step are committed when the test acts.
+            workers.finish_backup_writes()
+        if epoch_step[0] == report_held_at:
+            # Training got here while the write is held mid-generation.
+            held.wait(timeout=workers.HOLD_SECONDS)
         print(f"STEP {epoch_step[0]};", flush=True)
         if epoch_step[0] == pause_at:
             # Hold still at this step until the test's signal arrives: a
@@ -65,8 +79,6 @@ def train(backup_dir, preset="preemptible", save_freq=4, accum_steps=None,
             # backup) lets it go on to save and exit.
             backup._sigterm.wait(timeout=workers.HOLD_SECONDS)
         epoch_step[0] += 1
-        if slow_save_after is not None and epoch_step[0] > slow_save_after:
-            backup_and_restore._write_file = slow_write
 
     backup = BackupAndRestore.from_preset(preset, backup_dir,
                                           save_freq=save_freq, **overrides)

@@ -61,6 +61,10 @@ def train(backup_dir, log_dir, replicas=1, accumulate=False, kill_at=None):
     def on_batch_end(batch, logs):
         if not keras_mgpu.is_chief():
             return
+        if runtime.global_step == kill_at:
+            # The save of this step is written in the background: the kill
+            # lands after its commit.
+            workers.finish_backup_writes()
         print(f"STEP {runtime.global_step};", flush=True)
         if runtime.global_step == kill_at:
             workers.hold_until_killed()

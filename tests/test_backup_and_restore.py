@@ -113,19 +113,21 @@ def test_plain_keras_backup_and_restore_is_not_exact(tmp_path):
     assert max_diff(resumed.get_weights(), full.get_weights()) <= 1e-6
 
 
-def test_kill_during_a_save_falls_back_to_the_last_commit(
+def test_kill_during_an_asynchronous_write_falls_back_to_the_last_commit(
         run_workers, uninterrupted, tmp_path):
     kwargs = {"accum_steps": 3}
     full = uninterrupted(tmp_path, **kwargs)
     backup_dir = tmp_path / "backup"
-    # Saves after step 10 are slowed down; the kill lands while the step-12
-    # generation is half written.
+    # Generations 1 and 2 are saved at steps 4 and 8. The write of the
+    # step-12 generation (3) is held half done while training goes on; the
+    # kill lands at step 14, inside that write.
     results = run_workers(
         backup_workers.train, 1,
-        kwargs={"backup_dir": str(backup_dir), "slow_save_after": 10,
-                **kwargs},
-        kill_when_printed="WROTE variables.npz;")
+        kwargs={"backup_dir": str(backup_dir), "hold_write_of": 3,
+                "report_held_at": 14, **kwargs},
+        kill_when_printed="STEP 14;")
     assert results[0].killed
+    assert "HOLDING variables.npz;" in results[0].stdout
     entries = os.listdir(backup_dir)
     assert any(e.startswith(".tmp-") for e in entries), entries
     assert backup_and_restore._generations(str(backup_dir)) == [2, 1]
@@ -191,6 +193,7 @@ def fit_in_process(backup, epochs=3, crash_at=None, extra_callbacks=(),
                                 callbacks=callbacks)
     with pytest.raises(RuntimeError, match="crash"):
         model.fit(dataset, epochs=epochs, verbose=0, callbacks=callbacks)
+    workers.finish_backup_writes()
     return model, None
 
 
@@ -616,6 +619,7 @@ def _crash_mid_epoch(backup_dir, x, y, **model_kwargs):
                        verbose=0, callbacks=[
                            BackupAndRestore(str(backup_dir), save_freq=4),
                            _CrashAfter(4)])
+    workers.finish_backup_writes()
 
 
 def test_a_resume_with_another_batch_size_skips_the_same_samples(tmp_path):
@@ -712,7 +716,8 @@ x, y = workers.regression_data(64)
 model = workers.build_mlp()
 model.compile("sgd", "mse")
 hold = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: (
-    batch == 1 and (print("HOLDING", flush=True), sys.stdin.readline())))
+    batch == 1 and (workers.finish_backup_writes(), print("HOLDING",
+                    flush=True), sys.stdin.readline())))
 model.fit(x, y, batch_size=16, epochs=1, verbose=0,
           callbacks=[BackupAndRestore(sys.argv[1], save_freq=1), hold])
 print("DONE", flush=True)
@@ -767,3 +772,135 @@ def test_a_second_live_run_on_one_backup_dir_is_refused(tmp_path):
     # The owner finished and released it: the directory is free again.
     model.fit(x, y, batch_size=16, epochs=1, verbose=0,
               callbacks=[BackupAndRestore(str(backup_dir))])
+
+
+def test_each_save_is_the_state_of_its_step_while_training_goes_on(
+        tmp_path, monkeypatch):
+    """Each background write is held until the training thread needs it
+    done (the next save, or the end of fit), two batches later: every
+    generation still holds what Keras's own `save_weights` wrote at its
+    save step, and no two writes ever overlap."""
+    import threading
+
+    import h5py
+
+    backup_dir = tmp_path / "b"
+    release = threading.Semaphore(0)
+    overlaps = []
+
+    class Held(BackupAndRestore):
+        def _write_generation(self, *args):
+            assert release.acquire(timeout=workers.HOLD_SECONDS)
+            return super()._write_generation(*args)
+
+        def _finish_write(self):
+            if self._write is not None and not self._write.done():
+                release.release()  # the one write in flight may go on
+            return super()._finish_write()
+
+    original_write = backup_and_restore._Write
+
+    def start_write(*args):
+        overlaps.append([t.name for t in threading.enumerate()
+                         if t.name == "keras-mgpu-backup-write"])
+        return original_write(*args)
+
+    monkeypatch.setattr(backup_and_restore, "_Write", start_write)
+    reference = {}  # global step -> Keras's save_weights, same moment
+
+    class Reference(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            step = int(self.model.optimizer.iterations.numpy())
+            path = tmp_path / f"step{step}.weights.h5"
+            self.model.save_weights(str(path))
+            reference[step] = path
+
+    x, y = workers.regression_data(128)
+    model = workers.build_mlp()
+    model.compile(keras.optimizers.Adam(0.01), "mse", metrics=["mae"])
+    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
+              callbacks=[Held(str(backup_dir), save_freq=2, keep=100,
+                              delete_checkpoint=False), Reference()])
+    assert overlaps == [[]] * 8  # 16 steps / 2, none started beside another
+    generations = backup_and_restore._generations(str(backup_dir))
+    assert generations == list(range(8, 0, -1))
+    kernel = "layers/dense/vars/0"
+    for number in generations:
+        state, files = backup_and_restore._read_generation(
+            str(backup_dir), number)
+        step = state["runtime"]["global_step"]
+        assert step == 2 * number
+        with h5py.File(reference[step], "r") as theirs, h5py.File(
+                backup_dir / f"gen-{number:08d}" / "weights.weights.h5",
+                "r") as ours:
+            names = []
+            theirs.visititems(lambda name, item: names.append(name)
+                              if isinstance(item, h5py.Dataset) else None)
+            assert kernel in names and len(names) > 10
+            for name in names:
+                np.testing.assert_array_equal(ours[name][()],
+                                              theirs[name][()], err_msg=name)
+            if step + 2 in reference:
+                # Training moved on while this generation was written.
+                with h5py.File(reference[step + 2], "r") as later:
+                    assert not np.array_equal(ours[kernel][()],
+                                              later[kernel][()])
+
+
+_CRASH_WITH_A_WRITE_IN_FLIGHT = r"""
+import sys
+import threading
+import keras
+from keras_mgpu.callbacks import BackupAndRestore, backup_and_restore
+from tests import workers
+
+# The write of the step-4 generation is held until the exception that ends
+# the script has reached the top: only the process's exit can let it finish.
+release = threading.Event()
+write = backup_and_restore._write_file
+def held_write(path, data):
+    if "/.tmp-2-" in path:
+        assert release.wait(timeout=workers.HOLD_SECONDS)
+    write(path, data)
+backup_and_restore._write_file = held_write
+hook = sys.excepthook
+def excepthook(*args):
+    hook(*args)
+    print("UNCAUGHT", flush=True)
+    release.set()
+sys.excepthook = excepthook
+
+class Crash(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if int(self.model.optimizer.iterations.numpy()) == 4:
+            raise RuntimeError("crash")
+
+x, y = workers.regression_data(128)
+model = workers.build_mlp()
+model.compile(keras.optimizers.Adam(0.01), "mse")
+model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
+          callbacks=[BackupAndRestore(sys.argv[1], save_freq=2), Crash()])
+"""
+
+
+def test_an_exception_in_fit_lets_the_write_in_flight_commit(tmp_path):
+    backup_dir = tmp_path / "b"
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="-1")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    crashed = subprocess.run(
+        [sys.executable, "-c", _CRASH_WITH_A_WRITE_IN_FLIGHT,
+         str(backup_dir)], capture_output=True, text=True, timeout=120,
+        env=env, cwd=repo)
+    assert crashed.returncode == 1, crashed.stderr[-3000:]
+    assert "RuntimeError: crash" in crashed.stderr
+    assert "UNCAUGHT" in crashed.stdout
+    # The process waited for the write of the step-4 save before it ended.
+    assert backup_and_restore._generations(str(backup_dir)) == [2]
+    assert not [p for p in os.listdir(backup_dir) if p.startswith(".tmp")]
+    state, _ = backup_and_restore._read_generation(str(backup_dir), 2)
+    assert state["runtime"]["global_step"] == 4
+    resumed, _ = fit_in_process(BackupAndRestore(str(backup_dir)), epochs=2)
+    full, _ = fit_in_process(BackupAndRestore(str(tmp_path / "full")),
+                             epochs=2)
+    assert int(resumed.optimizer.iterations.numpy()) == 16
+    assert max_diff(resumed.get_weights(), full.get_weights()) <= 1e-6

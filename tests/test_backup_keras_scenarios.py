@@ -30,6 +30,7 @@ import pytest
 
 from keras_mgpu.callbacks import RESTART_EXIT_CODE
 from keras_mgpu.callbacks import BackupAndRestore as Ours
+from tests import workers
 
 KERAS = keras.callbacks.BackupAndRestore
 BOTH = pytest.mark.parametrize("cls", [KERAS, Ours],
@@ -99,6 +100,7 @@ def fit(model, epochs, callbacks):
 def crash(model, epochs, backup, interrupt, match="Interruption"):
     with pytest.raises(RuntimeError, match=match):
         fit(model, epochs, [backup, interrupt])
+    workers.finish_backup_writes()  # ours writes in the background
 
 
 def counter(model):

@@ -242,3 +242,120 @@ def test_summary_scope_needs_tensorflows_summary_state(monkeypatch):
     monkeypatch.delattr(summary_ops_v2, "_summary_state")
     with pytest.raises(compat.KerasInternalsError, match="_summary_state"):
         compat.summary_scope(None, None, None)
+
+
+def _h5_contents(data: bytes) -> dict:
+    """Every group and dataset of an HDF5 file: name -> (values, attributes)."""
+    import io
+
+    import h5py
+
+    contents = {}
+
+    def visit(name, item):
+        values = item[()] if isinstance(item, h5py.Dataset) else None
+        contents[name] = (values, dict(item.attrs))
+
+    with h5py.File(io.BytesIO(data), "r") as f:
+        f.visititems(visit)
+    return contents
+
+
+def _weights_test_model(accumulate=False):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((workers.FEATURES,)),
+        keras.layers.Dense(16, activation="tanh"),
+        keras.layers.BatchNormalization(),
+        keras.layers.Dropout(0.2, seed=1),
+        keras.layers.Dense(1),
+    ])
+    if accumulate:
+        model = GradientAccumulationModel(model, accum_steps=2)
+    model.compile(keras.optimizers.Adam(0.01), "mse", metrics=["mae"])
+    return model
+
+
+@pytest.mark.parametrize("accumulate", [False, True],
+                         ids=["plain", "accumulation"])
+def test_weights_file_is_what_save_weights_writes(tmp_path, accumulate):
+    x, y = workers.regression_data(64)
+    model = _weights_test_model(accumulate)
+    model.fit(x, y, batch_size=16, verbose=0)
+    layout = compat.weights_layout(model)
+    ours = compat.weights_file(layout.read())
+    model.save_weights(str(tmp_path / "keras.weights.h5"))
+    theirs = _h5_contents((tmp_path / "keras.weights.h5").read_bytes())
+    mine = _h5_contents(ours)
+    assert sorted(mine) == sorted(theirs)
+    assert any("optimizer" in name for name in mine)
+    for name, (values, attributes) in theirs.items():
+        assert attributes == mine[name][1], name
+        if values is not None:
+            np.testing.assert_array_equal(mine[name][0], values, err_msg=name)
+    # And Keras loads it back.
+    (tmp_path / "ours.weights.h5").write_bytes(ours)
+    fresh = _weights_test_model(accumulate)
+    fresh.fit(x[:16], y[:16], batch_size=16, verbose=0)  # builds everything
+    fresh.load_weights(str(tmp_path / "ours.weights.h5"))
+    # `weights`: what save_weights holds (not the RNG seed states).
+    for a, b in zip(fresh.weights + fresh.optimizer.variables,
+                    model.weights + model.optimizer.variables):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_weights_layout_reads_the_values_of_the_moment(tmp_path):
+    x, y = workers.regression_data(64)
+    model = _weights_test_model()
+    model.fit(x, y, batch_size=16, verbose=0)
+    layout = compat.weights_layout(model)
+    before = layout.read()
+    before_file = compat.weights_file(before)
+    model.fit(x, y, batch_size=16, verbose=0)  # trains the same variables
+    # The snapshot is a copy: training did not change it.
+    assert compat.weights_file(before) == before_file
+    model.save_weights(str(tmp_path / "after.weights.h5"))
+    after = _h5_contents((tmp_path / "after.weights.h5").read_bytes())
+    # The same layout, read again, sees the new values without a new walk.
+    again = _h5_contents(compat.weights_file(layout.read()))
+    old = _h5_contents(before_file)
+    kernel = "layers/dense/vars/0"
+    assert not np.array_equal(old[kernel][0], after[kernel][0])
+    for name, (values, _) in after.items():
+        if values is not None:
+            np.testing.assert_array_equal(again[name][0], values, err_msg=name)
+
+
+def test_weights_layout_needs_keras_walk_of_the_model(monkeypatch):
+    from keras.src.saving import saving_lib
+
+    model = _weights_test_model()
+    original = saving_lib._save_state
+    monkeypatch.setattr(saving_lib, "_save_state",
+                        lambda obj, weights_store, *args, **kwargs: None)
+    with pytest.raises(compat.KerasInternalsError,
+                       match=r"_save_state.*BackupAndRestore"):
+        compat.weights_layout(model)
+    monkeypatch.setattr(saving_lib, "_save_state", original)
+    monkeypatch.delattr(saving_lib, "H5IOStore")
+    with pytest.raises(compat.KerasInternalsError, match="H5IOStore"):
+        compat.weights_layout(model)
+
+
+def test_a_weights_layout_reads_into_the_arrays_of_an_earlier_read(
+        tmp_path):
+    x, y = workers.regression_data(64)
+    model = _weights_test_model()
+    model.fit(x, y, batch_size=16, verbose=0)
+    layout = compat.weights_layout(model)
+    first = layout.read()
+    arrays = [id(a) for _, _, values in first for _, a in values]
+    model.fit(x, y, batch_size=16, verbose=0)
+    second = layout.read(into=first)
+    assert [id(a) for _, _, values in second for _, a in values] == arrays
+    model.save_weights(str(tmp_path / "now.weights.h5"))
+    now = _h5_contents((tmp_path / "now.weights.h5").read_bytes())
+    for name, (values, _) in _h5_contents(
+            compat.weights_file(second)).items():
+        if values is not None:
+            np.testing.assert_array_equal(values, now[name][0], err_msg=name)

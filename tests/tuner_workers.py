@@ -68,8 +68,10 @@ def make_recording_hypermodel(log_path, kill_trial=None, kill_epoch=None,
 
         def on_epoch_begin(self, epoch, logs=None):
             if self.trial_id == kill_trial and epoch == kill_epoch:
-                # The backup of the epochs before this one is already
-                # committed (BackupAndRestore runs first): die in here.
+                # The backup of the epochs before this one is committed
+                # (BackupAndRestore runs first; its write is waited for):
+                # die in here.
+                workers.finish_backup_writes()
                 print("KILL-ME", flush=True)
                 workers.hold_until_killed()
 

@@ -110,6 +110,17 @@ def fail(message):
 HOLD_SECONDS = 600
 
 
+def finish_backup_writes(seconds=HOLD_SECONDS):
+    """Waits for BackupAndRestore's background writes: a fit that raised
+    leaves the one in flight running."""
+    import threading
+
+    for thread in threading.enumerate():
+        if thread.name == "keras-mgpu-backup-write":
+            thread.join(timeout=seconds)
+            assert not thread.is_alive(), "a backup write did not finish"
+
+
 def hold_until_killed(seconds=HOLD_SECONDS):
     """Blocks until the test kills this process (after a marker it printed);
     the launcher's timeout ends it if the test never does."""
