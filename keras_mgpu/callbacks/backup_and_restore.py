@@ -95,8 +95,9 @@ class BackupAndRestore(keras.callbacks.Callback):
     callbacks in the same `fit` call.
 
     A save stalls training only to copy the state into host memory: the
-    variables (device-to-host copies) and the small state, about a fifth of
-    the time of Keras's own synchronous save (`docs/benchmarks.md`). A
+    variables (device-to-host copies) and the small state, a fifth to a
+    quarter of the time of Keras's own synchronous save
+    (`docs/benchmarks.md`). A
     background thread then writes them as a complete generation: into a
     `.tmp-*` directory inside `backup_dir` (no TMPDIR, no local staging for
     a URL), each file once, from memory, then moves the files into place
