@@ -550,11 +550,11 @@ def weights_layout(model) -> WeightsLayout:
     return WeightsLayout(finder.saveables, store_class)
 
 
-def weights_file(snapshot: list) -> bytes:
+def weights_file(snapshot: list) -> memoryview:
     """The bytes of the `.weights.h5` file `model.save_weights` would have
     written when `snapshot` (`WeightsLayout.read()`) was taken, made by
     Keras's own HDF5 store (in memory), so that `model.load_weights` reads
-    it."""
+    it. A view of the buffer they were written to, not a copy."""
     import io
 
     from keras.src.saving import saving_lib
@@ -568,7 +568,7 @@ def weights_file(snapshot: list) -> bytes:
                 entry[key] = value
     finally:
         store.close()
-    return buffer.getvalue()
+    return buffer.getbuffer()
 
 
 @functools.lru_cache(maxsize=4)

@@ -816,8 +816,14 @@ class _Write:
         self._thread.join()
 
 
-def _write_file(path: str, data: bytes) -> None:
-    with tf.io.gfile.GFile(path, "wb") as f:
+def _write_file(path: str, data) -> None:
+    """Writes `data` (bytes, or a memoryview of them) to `path`."""
+    if is_url(path):
+        with tf.io.gfile.GFile(path, "wb") as f:
+            f.write(bytes(data))  # GFile takes bytes only
+        return
+    # A memoryview goes to disk as it is: no copy of a large weights file.
+    with open(path, "wb") as f:
         f.write(data)
 
 
