@@ -97,20 +97,21 @@ class BackupAndRestore(keras.callbacks.Callback):
     A save stalls training only to copy the state into host memory: the
     variables (device-to-host copies) and the small state, a fifth to a
     quarter of the time of Keras's own synchronous save
-    (`docs/benchmarks.md`). A
-    background thread then writes them as a complete generation: into a
-    `.tmp-*` directory inside `backup_dir` (no TMPDIR, no local staging for
-    a URL), each file once, from memory, then moves the files into place
-    and writes the manifest (sizes and SHA-256 checksums of the same bytes)
-    last. At most one save is in flight: the next one waits for it, so no
-    save is skipped. The SIGTERM save and the end of `fit` wait for the
-    write. If `fit` raises, the write finishes on its thread: the process
-    waits for it before exiting, and the next `fit` on this `backup_dir`
-    waits for it before reading. A SIGKILL mid-write leaves the previous
-    generation in place. Host memory holds up to about two copies of the
-    saved state while a write runs. The last `keep` generations
-    are kept (1 by default, 2 with `double_checkpoint=True`); pruning
-    deletes links, never what they point to. A restore verifies the newest
+    (`docs/benchmarks.md`). A background thread then writes them as a
+    complete generation: into a `.tmp-*` directory inside `backup_dir` (no
+    TMPDIR, no local staging for a URL), each file once, from memory, then
+    moves the files into place and writes the manifest (sizes and SHA-256
+    checksums of the same bytes) last. At most one save is in flight: the
+    next one waits for it, so no save is skipped. The SIGTERM save and the
+    end of `fit` wait for the write. If `fit` raises, the write finishes on
+    its thread: the process waits for it before exiting, and the next `fit`
+    on this `backup_dir` waits for it before reading. A SIGKILL mid-write
+    leaves the previous generation in place. Host memory holds one copy of
+    the saved state from the first save to the end of `fit` (the next save
+    copies into it), and up to about two more while a write runs. The last
+    `keep` generations are kept (1 by default, 2 with
+    `double_checkpoint=True`); pruning deletes links, never what they point
+    to. A restore verifies the newest
     generation and falls back to the previous one, with a warning, if it is
     truncated, corrupt or incomplete; if every one is, it raises (see
     `restart_if_unusable`). Paths go through `tf.io.gfile`,
