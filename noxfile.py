@@ -6,7 +6,7 @@ newest TensorFlow/Keras pair keras-mgpu supports.
     make matrix                  # both
 
 Each session builds its own virtual environment under `.nox/`. A new pair
-goes here, in `keras_mgpu.compat.TESTED_KERAS` and in the README's
+goes here, in `keras_mgpu.compat.TESTED_KERAS` and in docs/compatibility.md's
 compatibility table together.
 """
 

@@ -1,8 +1,21 @@
-"""Shared by the examples: real data that ships with scikit-learn, and flags."""
+"""Shared by the examples: quiet TensorFlow, bundled data, flags, paths.
+
+Import it before TensorFlow or keras_mgpu: it hides TensorFlow's C++ start-up
+log lines (unless TF_CPP_MIN_LOG_LEVEL is set).
+"""
 
 import argparse
+import os
+import shutil
+import sys
 
-import numpy as np
+from keras_mgpu_cli import quiet_tensorflow
+
+quiet_tensorflow()
+
+import numpy as np  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def parse_args(description: str, **extra):
@@ -10,7 +23,8 @@ def parse_args(description: str, **extra):
     parser.add_argument("--smoke", action="store_true",
                         help="a few seconds' run, as the test suite does")
     parser.add_argument("--workdir", default=None,
-                        help="where logs and backups go (default: a temp dir)")
+                        help="where logs and backups go (default: "
+                             "runs/<example> in the checkout)")
     for name, kwargs in extra.items():
         parser.add_argument(f"--{name.replace('_', '-')}", **kwargs)
     return parser.parse_args()
@@ -29,7 +43,34 @@ def digits(test_fraction: float = 0.2, seed: int = 0):
     return (x[:split], y[:split]), (x[split:], y[split:])
 
 
-def workdir(path, name):
-    import tempfile
+def workdir(path, name, fresh=True):
+    """`path`, or runs/<name> in the checkout (emptied first when `fresh`:
+    a rerun starts over, and nothing is left in the system temp folder)."""
+    if path:
+        return path
+    path = os.path.join(REPO, "runs", name)
+    if fresh:
+        shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(path, exist_ok=True)
+    return path
 
-    return path or tempfile.mkdtemp(prefix=f"keras_mgpu_{name}_")
+
+def shown(path):
+    """`path` relative to the working directory when it lies below it."""
+    relative = os.path.relpath(path)
+    return path if relative.startswith(os.pardir) else relative
+
+
+def command(*args):
+    """A shell command that runs with this interpreter, e.g. `.venv/bin/python
+    examples/demo.py`: the bare `python` may be another one, without
+    keras-mgpu."""
+    return " ".join([shown(sys.executable), *args])
+
+
+def tensorboard_command(log_dir):
+    """The command that serves `log_dir`, with this environment's TensorBoard."""
+    tensorboard = os.path.join(os.path.dirname(sys.executable), "tensorboard")
+    if os.path.exists(tensorboard):
+        return f"{shown(tensorboard)} --logdir {shown(log_dir)}"
+    return command("-m", "tensorboard.main", "--logdir", shown(log_dir))

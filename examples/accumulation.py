@@ -6,13 +6,15 @@ Each optimizer step averages 4 micro-batches of 32 per replica, exactly as one
 step on the big batch would, with one all-reduce per step.
 """
 
-import keras_mgpu
+# _common first: it quiets TensorFlow's start-up logs.
+from _common import digits, parse_args, workdir
+
+import keras_mgpu  # noqa: E402
 
 strategy = keras_mgpu.auto_strategy(virtual_cpus=2)  # first: it sets devices
 
 import keras  # noqa: E402
 
-from _common import digits, parse_args, workdir  # noqa: E402
 
 args = parse_args(__doc__.splitlines()[0])
 (x, y), (x_test, y_test) = digits()

@@ -6,18 +6,20 @@ The "preemptible" preset saves every 50 batches and on SIGTERM; a rerun with
 the same --workdir resumes at the next unseen batch.
 """
 
-import keras_mgpu
+# _common first: it quiets TensorFlow's start-up logs.
+from _common import digits, parse_args, workdir
+
+import keras_mgpu  # noqa: E402
 
 strategy = keras_mgpu.auto_strategy(virtual_cpus=2)
 
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from _common import digits, parse_args, workdir  # noqa: E402
 from keras_mgpu.callbacks import BackupAndRestore  # noqa: E402
 
 args = parse_args(__doc__.splitlines()[0])
-backup_dir = f"{workdir(args.workdir, 'backup')}/backup"
+backup_dir = f"{workdir(args.workdir, 'backup', fresh=False)}/backup"
 (x, y), (x_test, y_test) = digits()
 # A fixed input order: resuming exactly needs the same batches again.
 train = tf.data.Dataset.from_tensor_slices((x, y)).batch(32)

@@ -7,7 +7,10 @@ Both train the same model on the same batches; the loop needs
 hand-made loss scaling, `fit` needs none of it.
 """
 
-import keras_mgpu
+# _common first: it quiets TensorFlow's start-up logs.
+from _common import digits, parse_args
+
+import keras_mgpu  # noqa: E402
 
 strategy = keras_mgpu.auto_strategy(virtual_cpus=2)
 
@@ -15,7 +18,6 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from _common import digits, parse_args  # noqa: E402
 
 args = parse_args(__doc__.splitlines()[0])
 (x, y), _ = digits()

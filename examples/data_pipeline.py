@@ -8,7 +8,10 @@ batch: a slow per-example decode run one example at a time starves the
 replicas; the same decode cached after the first epoch keeps them fed.
 """
 
-import keras_mgpu
+# _common first: it quiets TensorFlow's start-up logs.
+from _common import digits, parse_args, tensorboard_command, workdir
+
+import keras_mgpu  # noqa: E402
 
 strategy = keras_mgpu.auto_strategy(virtual_cpus=2)
 
@@ -18,9 +21,8 @@ import time  # noqa: E402
 
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from _common import digits, parse_args, workdir  # noqa: E402
 from keras_mgpu import data  # noqa: E402
-from keras_mgpu.callbacks import DistributedLogger  # noqa: E402
+from keras_mgpu.callbacks import DistributedLogger, input_wait_summary  # noqa: E402
 
 args = parse_args(__doc__.splitlines()[0])
 root = workdir(args.workdir, "data")
@@ -74,8 +76,6 @@ for name, options in pipelines.items():
         DistributedLogger(log_dir, update_freq="epoch", console=False)])
     with open(os.path.join(log_dir, "metrics.jsonl")) as f:
         last = [json.loads(line) for line in f][-1]
-    bound = "not" if last["input_bound"] == "no" else last["input_bound"]
-    print(f"  {name:<8} {100 * last['input_wait']:5.1f}% of step time "
-          f"waiting for input ({bound} input-bound), "
+    print(f"  {name:<8} input wait {input_wait_summary(last['input_wait'])}, "
           f"{last['examples_per_sec']:,.0f} examples/s")
-print(f"TensorBoard: tensorboard --logdir {os.path.join(root, 'logs')}")
+print(f"TensorBoard: {tensorboard_command(os.path.join(root, 'logs'))}")

@@ -1,7 +1,7 @@
 """keras-mgpu demo: every component together, on real handwritten digits.
 
-    make demo                               # or: python examples/demo.py
-    python examples/demo.py --workers 2     # the same on 2 local workers
+    make demo                                    # or: .venv/bin/python examples/demo.py
+    .venv/bin/python examples/demo.py --workers 2     # on 2 local worker processes
 
 Runs on a laptop CPU (split into 2 logical devices) or on all local GPUs. The
 data is scikit-learn's bundled 8x8 digits: nothing is downloaded. It:
@@ -24,10 +24,10 @@ import shutil
 import sys
 import time
 
-# TensorFlow's C++ info lines would bury the report.
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+# First: _common quiets TensorFlow's start-up logs, in each worker too.
+from _common import REPO, command, shown, tensorboard_command  # noqa: E402
 
 
 def run(workdir: str, epochs: int, trials: int) -> dict:
@@ -93,7 +93,12 @@ def run(workdir: str, epochs: int, trials: int) -> dict:
             objective="val_accuracy", max_trials=trials, seed=0,
             directory=workdir, project_name="tuning", overwrite=False,
             distribution_strategy=strategy)
-        tuner.search(train, validation_data=test, epochs=2, verbose=0)
+        say(f"Tuning the hidden width and learning rate: {trials} short "
+            "trial(s), batch and learning rate scaled to "
+            f"{strategy.num_replicas_in_sync} replica(s)...")
+        # Arrays: the hypermodel gives fit the trial's global batch.
+        tuner.search(x, y, validation_data=(x_test, y_test), epochs=2,
+                     verbose=0)
         best = tuner.get_best_hyperparameters()[0]
         units, learning_rate = best.get("units"), best.get("learning_rate")
         keras.backend.clear_session()
@@ -107,13 +112,20 @@ def run(workdir: str, epochs: int, trials: int) -> dict:
                       "sparse_categorical_crossentropy", metrics=["accuracy"])
 
     log_dir = f"{workdir}/logs"
+    backup_dir = f"{workdir}/backup"
     callbacks = [
-        DistributedLogger(log_dir, update_freq=10, console=False),
-        BackupAndRestore.from_preset("preemptible", f"{workdir}/backup",
-                                     save_freq=10),
+        # One line per epoch: loss, throughput, step time, input wait.
+        DistributedLogger(log_dir, update_freq=10),
+        # Says "resumed from backup generation N ..." on a rerun.
+        BackupAndRestore.from_preset("preemptible", backup_dir, save_freq=10),
     ]
+    say(f"Training {epochs} epochs ({units} hidden units, 2 micro-batches "
+        "per step); press Ctrl-C and run the demo again to resume...")
     start = time.perf_counter()
-    model.fit(train, epochs=epochs, verbose=0, callbacks=callbacks)
+    # shuffle=False: Keras 3.15 warns that its default shuffle=True does
+    # not apply to a dataset (this one keeps its order, for exact resume).
+    model.fit(train, epochs=epochs, verbose=0, shuffle=False,
+              callbacks=callbacks)
     seconds = time.perf_counter() - start
     accuracy = model.evaluate(test, verbose=0, return_dict=True)["accuracy"]
     findings = mixed_precision.audit(model.inner)
@@ -137,6 +149,14 @@ def run(workdir: str, epochs: int, trials: int) -> dict:
     }
 
 
+def say(text: str) -> None:
+    """A progress line, from the chief only."""
+    import keras_mgpu
+
+    if keras_mgpu.is_chief():
+        print(text, flush=True)
+
+
 def _last_epoch_record(log_dir: str):
     with open(f"{log_dir}/metrics.jsonl") as f:
         records = [json.loads(line) for line in f]
@@ -145,6 +165,8 @@ def _last_epoch_record(log_dir: str):
 
 
 def report(result: dict, workdir: str, workers: int) -> None:
+    from keras_mgpu.callbacks import input_wait_summary
+
     print()
     print("keras-mgpu demo")
     print(f"  strategy:        {result['strategy']}, {result['replicas']} "
@@ -163,23 +185,20 @@ def report(result: dict, workdir: str, workers: int) -> None:
         print(f"  throughput:      {last['examples_per_sec']:,.0f} "
               "examples/s (last epoch)")
     if last and last["input_wait"] is not None:
-        bound = ("not" if last["input_bound"] == "no"
-                 else last["input_bound"])
-        print(f"  input wait:      {100 * last['input_wait']:.1f}% of step "
-              f"time ({bound} input-bound)")
-    print(f"  logs:            {result['log_dir']}")
-    print(f"  view them:       tensorboard --logdir {result['log_dir']}")
+        print(f"  input wait:      {input_wait_summary(last['input_wait'])}")
+    print(f"  logs:            {shown(result['log_dir'])}")
+    print(f"  view them:       {tensorboard_command(result['log_dir'])}")
     if workers == 1:
-        print(f"  on 2 workers:    python examples/demo.py --workers 2 "
-              f"--workdir {workdir}-2workers")
+        print("  on 2 workers:    " + command(
+            shown(os.path.join(HERE, "demo.py")), "--workers 2",
+            "--workdir", shown(f"{workdir}-2workers")))
     if result["devices"] != "GPUs":
         print("  note: CPU run: figures show the mechanics, not GPU speed.")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workdir", default=os.path.join(
-        os.path.dirname(HERE), "runs", "demo"))
+    parser.add_argument("--workdir", default=os.path.join(REPO, "runs", "demo"))
     parser.add_argument("--epochs", type=int, default=12)
     parser.add_argument("--trials", type=int, default=2)
     parser.add_argument("--workers", type=int, default=1)
@@ -201,7 +220,14 @@ def main() -> None:
                                     timeout=1800, cwd=HERE)
         result = next(r.result for r in results if r.result["chief"])
     else:
-        result = run(**kwargs)
+        try:
+            result = run(**kwargs)
+        except KeyboardInterrupt:
+            # The tuner and the backup keep what was done.
+            print(f"\nInterrupted. {shown(args.workdir)} keeps the tuning "
+                  "trials and the training backup: run the same command "
+                  "again to resume.")
+            sys.exit(130)
     report(result, args.workdir, args.workers)
     if not args.smoke:
         assert result["accuracy"] > 0.9, (

@@ -2,10 +2,13 @@
 
     python examples/logging_example.py [--smoke] [--workdir DIR]
 
-Then: tensorboard --logdir DIR/logs
+Then run the TensorBoard command it prints.
 """
 
-import keras_mgpu
+# _common first: it quiets TensorFlow's start-up logs.
+from _common import digits, parse_args, tensorboard_command, workdir
+
+import keras_mgpu  # noqa: E402
 
 strategy = keras_mgpu.auto_strategy(virtual_cpus=2)
 
@@ -13,7 +16,6 @@ import json  # noqa: E402
 
 import keras  # noqa: E402
 
-from _common import digits, parse_args, workdir  # noqa: E402
 from keras_mgpu.callbacks import DistributedLogger  # noqa: E402
 
 args = parse_args(__doc__.splitlines()[0])
@@ -33,4 +35,4 @@ with open(f"{log_dir}/metrics.jsonl") as f:
     last = json.loads(f.readlines()[-1])
 print(f"last record: {last['kind']} {last['epoch']}: "
       f"{last['examples_per_sec']:.0f} examples/s")
-print(f"view it: tensorboard --logdir {log_dir}")
+print(f"view it: {tensorboard_command(log_dir)}")

@@ -6,14 +6,16 @@ On a GPU, `set_policy("auto")` picks bfloat16 or float16; on a CPU this
 example forces mixed_float16 to show the mechanics (it is slower there).
 """
 
-import keras_mgpu
+# _common first: it quiets TensorFlow's start-up logs.
+from _common import digits, parse_args
+
+import keras_mgpu  # noqa: E402
 
 strategy = keras_mgpu.auto_strategy(virtual_cpus=2)
 
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from _common import digits, parse_args  # noqa: E402
 from keras_mgpu import mixed_precision  # noqa: E402
 from keras_mgpu.layers import FP32OutputHead  # noqa: E402
 

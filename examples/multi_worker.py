@@ -41,15 +41,18 @@ def train(epochs: int) -> dict:
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    # _common first: it quiets TensorFlow's start-up logs, and its
+    # TF_CPP_MIN_LOG_LEVEL reaches the workers through their environment.
     from _common import parse_args
 
     args = parse_args(__doc__.splitlines()[0],
                       workers={"type": int, "default": 2})
     from keras_mgpu.launcher import run_local_workers
 
+    # A worker's stderr (TensorFlow's gRPC and collective logs among it) is
+    # shown only if it fails, in the WorkerError.
     results = run_local_workers("multi_worker:train", args.workers,
                                 kwargs={"epochs": 2 if args.smoke else 10},
-                                timeout=600,
-                                env={"TF_CPP_MIN_LOG_LEVEL": "2"})
+                                timeout=600)
     for r in results:
         print(json.dumps(r.result))

@@ -67,11 +67,15 @@ import tempfile
 import time
 from typing import Any, Mapping, Optional, Sequence
 
+# Defined with the argument parser, which must not import TensorFlow.
+from keras_mgpu_cli import MAX_REPLICAS  # noqa: F401
+from keras_mgpu_cli import MODELS
+from keras_mgpu_cli import PRECISIONS  # noqa: F401
+from keras_mgpu_cli import parse_choice_list  # noqa: F401
+from keras_mgpu_cli import parse_int_list  # noqa: F401
+
 SCHEMA = "keras-mgpu-bench/1"
-MODELS = ("resnet", "mlp")
-PRECISIONS = ("float32", "mixed", "mixed_bfloat16", "mixed_float16")
 NUM_CLASSES = 10
-MAX_REPLICAS = 64
 CPU_NOTE = (
     "No GPU: replicas are logical CPU devices sharing the same CPU cores. "
     "These figures show the mechanics of data-parallel training (per-replica "
@@ -88,57 +92,7 @@ INPUT_WAIT_REASON = (
 )
 
 
-# --- Argument parsing helpers (used by keras_mgpu.cli) -------------------------
-
-
-def parse_int_list(text: str, what: str, low: int = 1,
-                   high: Optional[int] = None) -> list[int]:
-    """Comma-separated integers, each in [low, high]; errors name the bad value.
-
-    Example:
-
-    >>> parse_int_list("2,1,2", "--replicas")
-    [1, 2]
-    >>> parse_int_list("1,x", "--replicas")
-    Traceback (most recent call last):
-    ...
-    ValueError: --replicas: 'x' is not an integer (in '1,x'); expected \
-comma-separated integers such as 1,2,4.
-    """
-    values = []
-    for part in text.split(","):
-        part = part.strip()
-        try:
-            value = int(part)
-        except ValueError:
-            raise ValueError(
-                f"{what}: {part!r} is not an integer (in {text!r}); expected "
-                "comma-separated integers such as 1,2,4."
-            ) from None
-        if value < low or (high is not None and value > high):
-            bound = f"from {low} to {high}" if high is not None else (
-                f"at least {low}")
-            raise ValueError(f"{what}: {value} is out of range; each value "
-                             f"must be {bound}.")
-        values.append(value)
-    return sorted(set(values))
-
-
-def parse_choice_list(text: str, what: str,
-                      choices: Sequence[str]) -> list[str]:
-    """Comma-separated names from `choices`, in order, without repeats.
-
-    Example:
-
-    >>> parse_choice_list("float32,mixed", "--precision", PRECISIONS)
-    ['float32', 'mixed']
-    """
-    names = [p.strip() for p in text.split(",")]
-    for name in names:
-        if name not in choices:
-            raise ValueError(f"{what}: unknown value {name!r}; choose from "
-                             f"{', '.join(choices)}.")
-    return list(dict.fromkeys(names))
+# --- Precisions ---------------------------------------------------------------
 
 
 def resolve_precisions(precisions: Sequence[str],
@@ -570,7 +524,44 @@ def format_table(payload: Mapping[str, Any]) -> str:
 
 
 def plot(payload: Mapping[str, Any], path: str) -> None:
-    """Writes a PNG: throughput and efficiency against replicas, with the ideal."""
+    """Writes a PNG: throughput and efficiency against replicas, with the ideal.
+
+    Args:
+        payload: The results, as `combine` returns them (the `--json` file).
+        path: Where the PNG goes.
+
+    Example:
+
+    >>> plot(json.load(open("bench.json")), "scaling.png")  # doctest: +SKIP
+    """
+    fig = figure(payload)  # first: it explains a missing matplotlib
+    import matplotlib.pyplot as plt
+
+    try:
+        fig.savefig(path, dpi=100)
+    finally:
+        plt.close(fig)
+
+
+def figure(payload: Mapping[str, Any]):
+    """The chart `plot` writes, as an open matplotlib `Figure`.
+
+    Throughput (examples/s, from zero, with the linear ideal dotted) on the
+    left, scaling efficiency in percent (100% dotted) on the right. Close it
+    with `matplotlib.pyplot.close(fig)`.
+
+    Args:
+        payload: The results, as `combine` returns them (the `--json` file).
+
+    Returns:
+        A `matplotlib.figure.Figure` with the two axes, in that order.
+
+    Example:
+
+    >>> fig = figure(json.load(open("bench.json")))  # doctest: +SKIP
+    >>> fig.axes[1].get_ylabel()  # doctest: +SKIP
+    'scaling efficiency (%)'
+    """
     try:
         import matplotlib
     except ImportError:
@@ -579,6 +570,7 @@ def plot(payload: Mapping[str, Any], path: str) -> None:
             'pip install "keras-mgpu[plot]"'
         ) from None
 
+    # No display needed: the chart goes to a file.
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -596,26 +588,30 @@ def plot(payload: Mapping[str, Any], path: str) -> None:
         base = rows[0]
         ax_tp.plot(xs, [base["examples_per_s"] * x / base["replicas"]
                         for x in xs], ":", color=line.get_color())
-        eff = [(x, r["scaling_efficiency"]) for x, r in zip(xs, rows)
+        # In percent, as the table shows it.
+        eff = [(x, 100 * r["scaling_efficiency"]) for x, r in zip(xs, rows)
                if r["scaling_efficiency"] is not None]
         if eff:
             ax_eff.plot([e[0] for e in eff], [e[1] for e in eff], "o-",
                         color=line.get_color(), label=label)
     # One legend entry for the dotted ideals, whatever their colours.
     ax_tp.plot([], [], ":", color="gray", label="linear ideal")
-    ax_eff.axhline(1.0, linestyle=":", color="gray", label="ideal")
-    for ax, ylabel in ((ax_tp, "examples/s"), (ax_eff, "scaling efficiency")):
+    ax_eff.axhline(100, linestyle=":", color="gray", label="ideal")
+    for ax, ylabel in ((ax_tp, "examples/s"),
+                       (ax_eff, "scaling efficiency (%)")):
         ax.set_xlabel("replicas")
         ax.set_ylabel(ylabel)
         ax.set_xticks(replicas)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    ax_eff.set_ylim(0, max(1.1, *(r["scaling_efficiency"] or 0
+    # From zero: an axis cut just below the lowest point makes a small
+    # scaling loss look like a collapse.
+    ax_tp.set_ylim(bottom=0)
+    ax_eff.set_ylim(0, max(110, *(100 * (r["scaling_efficiency"] or 0)
                                   for r in payload["results"])))
     title = f"keras-mgpu bench: {payload['settings']['model']}"
     if payload["device"]["kind"] == "cpu":
         title += ("\nCPU logical devices: mechanics, not GPU performance")
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig

@@ -48,6 +48,9 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from keras_mgpu import mixed_precision
 from keras_mgpu import strategy as strategy_lib
+# Feature (the pip extra of the same name) -> display names it needs; defined
+# with the argument parser, which must not import TensorFlow.
+from keras_mgpu_cli import FEATURES
 
 SCHEMA = "keras-mgpu-doctor/1"
 
@@ -59,12 +62,6 @@ OPTIONAL_PACKAGES = {
     "KerasTuner": ("keras-tuner",),
     "xprof": ("xprof", "tensorboard-plugin-profile"),
     "TensorBoard": ("tensorboard",),
-    "wandb": ("wandb",),
-}
-# Feature (the pip extra of the same name) -> display names it needs.
-FEATURES = {
-    "tuner": ("KerasTuner",),
-    "profile": ("TensorBoard", "xprof"),
     "wandb": ("wandb",),
 }
 NOT_INSTALLED = "not installed"

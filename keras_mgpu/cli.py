@@ -6,8 +6,11 @@
                      [--steps 20] [--batch-size 64] [--json PATH]
                      [--plot out.png]
 
-Also runnable as `python -m keras_mgpu.cli ...`. The JSON formats are
-documented in `keras_mgpu._doctor` and `keras_mgpu._bench`.
+The `keras-mgpu` console script is `keras_mgpu_cli.main`: it parses the
+arguments without importing TensorFlow and then calls `run` here. Also
+runnable as `python -m keras_mgpu.cli ...` (which imports TensorFlow first).
+The JSON formats are documented in `keras_mgpu._doctor` and
+`keras_mgpu._bench`.
 """
 
 from __future__ import annotations
@@ -20,118 +23,13 @@ from typing import Optional, Sequence
 
 from keras_mgpu import _bench
 from keras_mgpu import _doctor
+# The parser lives in a top-level module that imports no TensorFlow (see its
+# docstring); callers of keras_mgpu.cli.build_parser keep working.
+from keras_mgpu_cli import build_parser
 
 EXIT_OK = 0
 EXIT_FINDING_ERROR = 1
 EXIT_USAGE = 2
-
-
-def _list_type(parse, *args):
-    """Wraps a list parser so argparse reports its message (naming the value)."""
-
-    def parse_arg(text: str):
-        try:
-            return parse(text, *args)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-
-    return parse_arg
-
-
-def _positive_int(what: str):
-    def parse_arg(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = 0
-        if value < 1:
-            raise argparse.ArgumentTypeError(
-                f"{what}: {text!r} is not a positive integer.")
-        return value
-
-    return parse_arg
-
-
-def _features(text: str) -> list[str]:
-    if text.strip() == "all":
-        return sorted(_doctor.FEATURES)
-    return _bench.parse_choice_list(text, "--need", sorted(_doctor.FEATURES))
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of `keras-mgpu` and its subcommands."""
-    parser = argparse.ArgumentParser(
-        prog="keras-mgpu",
-        description="Check a machine for multi-GPU Keras training (doctor) "
-                    "and measure data-parallel scaling (bench).")
-    sub = parser.add_subparsers(dest="command", metavar="{doctor,bench}")
-    sub.required = True
-
-    doctor = sub.add_parser(
-        "doctor", help="versions, devices, interconnect, cluster, advice",
-        description="Report versions, devices, GPU interconnect, the "
-                    "TF_CONFIG cluster and the strategy auto_strategy() "
-                    "would pick, with findings and advice. Exits 1 when a "
-                    "finding is an error.")
-    doctor.add_argument("--json", action="store_true",
-                        help="print the report as JSON")
-    doctor.add_argument("--need", type=_list_type(_features),
-                        default=[], metavar="FEATURES",
-                        help="features you need, comma-separated: "
-                             "tuner,profile,wandb (or all); a missing "
-                             "package for one is an error")
-    # Recorded nvidia-smi output instead of running it (tests, bug reports).
-    doctor.add_argument("--nvidia-smi-topo", metavar="FILE",
-                        help=argparse.SUPPRESS)
-    doctor.add_argument("--nvidia-smi-query", metavar="FILE",
-                        help=argparse.SUPPRESS)
-    doctor.add_argument("--assume-tf-sees-smi-gpus", action="store_true",
-                        help=argparse.SUPPRESS)
-
-    bench = sub.add_parser(
-        "bench", help="examples/s and scaling efficiency at 1..N replicas",
-        description="Train a synthetic workload at each replica count (one "
-                    "process each) and report examples/s, scaling "
-                    "efficiency, the mixed-precision speed-up and memory. "
-                    "Without GPUs the replicas are logical CPU devices: the "
-                    "figures show mechanics, not GPU performance.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    bench.add_argument("--model", choices=_bench.MODELS, default="resnet",
-                       help="workload: a ResNet-style ConvNet or an MLP")
-    bench.add_argument("--replicas", default="1,2",
-                       type=_list_type(_bench.parse_int_list, "--replicas", 1,
-                                       _bench.MAX_REPLICAS),
-                       help="replica counts, comma-separated")
-    bench.add_argument("--precision", default="float32",
-                       type=_list_type(_bench.parse_choice_list,
-                                       "--precision", _bench.PRECISIONS),
-                       help="comma-separated: float32, mixed (the policy "
-                            "choose_policy picks for the GPUs), or a forced "
-                            "mixed_bfloat16 / mixed_float16")
-    bench.add_argument("--accum", default="1",
-                       type=_list_type(_bench.parse_int_list, "--accum", 1),
-                       help="gradient accumulation steps, comma-separated; "
-                            "1 = plain fit, N > 1 = GradientAccumulationModel")
-    bench.add_argument("--steps", type=_positive_int("--steps"), default=20,
-                       help="timed steps (micro-batches) per repeat")
-    bench.add_argument("--repeats", type=_positive_int("--repeats"),
-                       default=3, help="timed repeats; the median counts")
-    bench.add_argument("--warmup-steps", type=_positive_int("--warmup-steps"),
-                       default=3, help="untimed steps that trace the step")
-    bench.add_argument("--batch-size", type=_positive_int("--batch-size"),
-                       default=64, help="examples per replica per step")
-    bench.add_argument("--timeout", type=_positive_int("--timeout"),
-                       default=1800, help="seconds allowed per replica count")
-    bench.add_argument("--json", metavar="PATH",
-                       help="write the results as JSON here ('-': stdout, "
-                            "instead of the table)")
-    bench.add_argument("--plot", metavar="PNG",
-                       help="write a chart of throughput and efficiency")
-    bench.set_defaults(subparser=bench)
-    bench.add_argument("--_child", action="store_true", help=argparse.SUPPRESS)
-    bench.add_argument("--_out", help=argparse.SUPPRESS)
-    bench.add_argument("--_policies", help=argparse.SUPPRESS)
-    return parser
 
 
 def _file_runner(topo: Optional[str], query: Optional[str]):
@@ -229,8 +127,34 @@ def run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return EXIT_OK
 
 
+def run(args: argparse.Namespace) -> int:
+    """Runs the command `args` names (parsed by `build_parser()`); the exit code.
+
+    Args:
+        args: The namespace `build_parser().parse_args(...)` returned.
+
+    Returns:
+        0 on success, 1 when `doctor` found an error or `bench` failed.
+
+    Example:
+
+    >>> run(build_parser().parse_args(["doctor", "--json"]))  # doctest: +SKIP
+    0
+    """
+    if args.command == "doctor":
+        return run_doctor(args)
+    return run_bench(args, args.subparser)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Runs `keras-mgpu` with `argv` (default: the command line); the exit code.
+
+    The console script is `keras_mgpu_cli.main`, which parses the arguments
+    before importing this module (and TensorFlow); this one serves
+    `python -m keras_mgpu.cli` and callers that already imported keras_mgpu.
+
+    Args:
+        argv: Defaults to `None`, the command line (`sys.argv[1:]`).
 
     Example:
 
@@ -238,11 +162,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     usage: keras-mgpu bench ...
     keras-mgpu bench: error: argument --replicas: --replicas: 0 is out of range...
     """
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command == "doctor":
-        return run_doctor(args)
-    return run_bench(args, args.subparser)
+    return run(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ def _parse(version: str) -> Version:
     return Version(version)
 
 
-# The Keras releases the suite has been run on (README, "Compatibility").
+# The Keras releases the suite has been run on (docs/compatibility.md).
 TESTED_KERAS = VersionRange("3.10.0", "3.15.1")
 
 # What rests on Keras internals: named in each KerasInternalsError, and all

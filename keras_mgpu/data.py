@@ -259,7 +259,9 @@ def tfrecord_dataset(
         pattern: Glob of the shard files, e.g. `"data/train-*.tfrecord"`.
         per_replica_batch_size: Samples per replica per step, a positive
             integer.
-        strategy: Defaults to `None`, the strategy of the current scope.
+        strategy: Defaults to `None`, the strategy of the current scope;
+            outside every scope, `None` raises `ValueError` (pass the
+            strategy, or `tf.distribute.get_strategy()` for one device).
         shuffle: Defaults to `False`. Shuffle the files and the examples,
             differently each epoch (deterministically, given `seed`).
         seed: Defaults to `None`. Integer seed for the shuffles.
@@ -293,7 +295,8 @@ def tfrecord_dataset(
     >>> import numpy as np, tempfile
     >>> d = tempfile.mkdtemp()
     >>> _ = write_tfrecords((np.ones((10, 3)), np.arange(10)), d, num_shards=2)
-    >>> ds = tfrecord_dataset(d + "/*.tfrecord", per_replica_batch_size=4)
+    >>> ds = tfrecord_dataset(d + "/*.tfrecord", per_replica_batch_size=4,
+    ...                       strategy=tf.distribute.get_strategy())
     >>> [tuple(x.shape) for x, y in ds]
     [(4, 3), (4, 3), (2, 3)]
     """
@@ -348,6 +351,10 @@ def tfrecord_dataset(
     if verify != "none":
         _verify(files, parse, read_all=verify == "all")
 
+    strategy = strategy_lib.require_strategy(
+        strategy,
+        f"tfrecord_dataset(per_replica_batch_size={per_replica_batch_size})",
+    )
     workers = strategy_lib.num_workers() if strategy_lib.is_multi_worker(
         strategy
     ) else 1

@@ -13,6 +13,7 @@ import json
 import math
 import numbers
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -157,7 +158,11 @@ def run_local_workers(
 ) -> list:
     """Runs `target` as `num_workers` local worker processes and waits.
 
-    Every argument is checked before the first worker starts.
+    Every argument is checked before the first worker starts. The workers'
+    stdout and stderr go to files, not to the terminal: they come back in
+    the `WorkerResult`s, and the `WorkerError` of a failed run quotes the
+    stderr of the workers that failed. The files are removed before the
+    call returns or raises.
 
     Args:
         target: A script path (`"train.py"`), a `"module:function"` string, or
@@ -210,11 +215,13 @@ def run_local_workers(
     extras = [_check_env(env(i) if callable(env) else env, i, env)
               for i in range(num_workers)]
     addresses = [f"localhost:{p}" for p in free_ports(num_workers)]
-    workdir = tempfile.mkdtemp(prefix="keras_mgpu_workers_")
     procs, files = [], []
     python_path = os.pathsep.join(
         [p for p in sys.path if p] + [os.environ.get("PYTHONPATH", "")]
     )
+    # Holds each worker's stdout, stderr and result file until they are read
+    # into its WorkerResult; removed however the run ends.
+    workdir = tempfile.mkdtemp(prefix="keras_mgpu_workers_")
     try:
         for i in range(num_workers):
             child_env = dict(os.environ)
@@ -237,15 +244,14 @@ def run_local_workers(
         killed = _wait(procs, files, timeout, kill_when_printed, to_kill,
                        kill_signal)
         results = _collect(procs, files, workdir, killed)
-    except BaseException:
-        _kill_all(procs)
-        results = _collect(procs, files, workdir, set())
-        raise
     finally:
+        # Whatever happened (a timeout, Ctrl-C, a failed start), no worker
+        # outlives the call, and the files go only once no worker writes.
         _kill_all(procs)
         for out, err in files:
             out.close()
             err.close()
+        shutil.rmtree(workdir, ignore_errors=True)
     if check:
         failed = [r for r in results if r.returncode != 0 and not r.killed]
         if failed:

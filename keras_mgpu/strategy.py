@@ -472,22 +472,52 @@ def _startup_error(info: ClusterInfo, timeout: float) -> RuntimeError:
     )
 
 
-def _resolve(strategy):
-    return strategy if strategy is not None else tf.distribute.get_strategy()
+def require_strategy(
+    strategy: Optional[tf.distribute.Strategy], call: str
+) -> tf.distribute.Strategy:
+    """`strategy`, or the current scope's; outside every scope, an error.
+
+    Args:
+        strategy: A strategy, or `None` for the current scope's.
+        call: The caller as the user wrote it, e.g. `"global_batch_size(16)"`,
+            named by the error.
+
+    Example:
+
+    >>> require_strategy(None, "f()")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: f() was called outside a strategy scope, ...
+    """
+    if strategy is not None:
+        return strategy
+    if not tf.distribute.has_strategy():
+        # Outside every scope TensorFlow answers for its default strategy
+        # (1 replica), whatever strategy the program created: a script
+        # would silently train at a per-replica batch.
+        raise ValueError(
+            f"{call} was called outside a strategy scope, where TensorFlow "
+            "reports 1 replica whatever strategy the program created. Pass "
+            "the strategy explicitly (e.g. strategy=keras_mgpu."
+            "auto_strategy()'s result, or tf.distribute.get_strategy() for "
+            "one device), or call it inside `with strategy.scope():`."
+        )
+    return tf.distribute.get_strategy()
 
 
 def num_replicas(strategy: Optional[tf.distribute.Strategy] = None) -> int:
     """Replicas training in sync, over all workers.
 
     Args:
-        strategy: Defaults to `None`, the strategy of the current scope.
+        strategy: Defaults to `None`, the strategy of the current scope;
+            outside every scope, `None` raises `ValueError` (TensorFlow
+            would report 1 replica whatever strategy the program created).
 
     Example:
 
     >>> num_replicas(tf.distribute.get_strategy())
     1
     """
-    return int(_resolve(strategy).num_replicas_in_sync)
+    return int(require_strategy(strategy, "num_replicas()").num_replicas_in_sync)
 
 
 def global_batch_size(
@@ -497,11 +527,13 @@ def global_batch_size(
 
     Args:
         per_replica: Samples per replica per step, a positive integer.
-        strategy: Defaults to `None`, the strategy of the current scope.
+        strategy: Defaults to `None`, the strategy of the current scope;
+            outside every scope, `None` raises `ValueError` (TensorFlow
+            would report 1 replica whatever strategy the program created).
 
     Example:
 
-    >>> global_batch_size(32)
+    >>> global_batch_size(32, tf.distribute.get_strategy())
     32
     """
     if isinstance(per_replica, bool) or not isinstance(per_replica, int):
@@ -512,7 +544,8 @@ def global_batch_size(
         raise ValueError(
             f"per_replica must be at least 1, got {per_replica}."
         )
-    return per_replica * num_replicas(strategy)
+    return per_replica * int(require_strategy(
+        strategy, f"global_batch_size({per_replica})").num_replicas_in_sync)
 
 
 def num_workers() -> int:
@@ -532,7 +565,8 @@ def is_chief() -> bool:
 
 def is_multi_worker(strategy: Optional[tf.distribute.Strategy] = None) -> bool:
     """Whether `strategy` spans several worker processes."""
-    strategy = _resolve(strategy)
+    if strategy is None:
+        strategy = tf.distribute.get_strategy()
     return (
         isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
         and num_workers() > 1

@@ -80,37 +80,58 @@ def test_sigkill_at_several_steps_resumes_exactly(run_workers, uninterrupted,
     assert not backup_dir.exists(), "a finished run deletes its backups"
 
 
-def test_plain_keras_backup_and_restore_is_not_exact(tmp_path):
-    """The gap this callback closes (KERAS3-FACTS gap 3), measured here."""
+class CrashAt13(keras.callbacks.Callback):
+    """Raises after the 13th optimizer step: mid-epoch 2 of fit_24_steps."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.model.optimizer.iterations.numpy() == 13:
+            raise RuntimeError("crash")
+
+
+def fit_24_steps(callbacks):
+    """3 epochs of 8 batches of a small regression, in this process."""
     x, y = workers.regression_data(128)
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    model = workers.build_mlp()
+    model.compile(keras.optimizers.Adam(0.01), "mse")
+    model.fit(dataset, epochs=3, verbose=0, callbacks=callbacks)
+    return model
 
-    class Crash(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            if self.model.optimizer.iterations.numpy() == 13:
-                raise RuntimeError("crash")
 
-    def fit(callbacks):
-        model = workers.build_mlp()
-        model.compile(keras.optimizers.Adam(0.01), "mse")
-        model.fit(dataset, epochs=3, verbose=0, callbacks=callbacks)
-        return model
-
-    full = fit([])
+def test_plain_keras_backup_and_restore_is_not_exact(tmp_path):
+    """The gap this callback closes (KERAS3-FACTS gap 3), measured here."""
+    full = fit_24_steps([])
     keras_backup = keras.callbacks.BackupAndRestore(str(tmp_path / "k"),
                                                     save_freq=4)
     with pytest.raises(RuntimeError, match="crash"):
-        fit([keras_backup, Crash()])
-    resumed = fit([keras_backup])
+        fit_24_steps([keras_backup, CrashAt13()])
+    resumed = fit_24_steps([keras_backup])
     assert int(resumed.optimizer.iterations.numpy()) > 24
     assert max_diff(resumed.get_weights(), full.get_weights()) > 1e-3
 
     ours = BackupAndRestore(str(tmp_path / "ours"), save_freq=4)
     with pytest.raises(RuntimeError, match="crash"):
-        fit([ours, Crash()])
-    resumed = fit([ours])
+        fit_24_steps([ours, CrashAt13()])
+    resumed = fit_24_steps([ours])
     assert int(resumed.optimizer.iterations.numpy()) == 24
     assert max_diff(resumed.get_weights(), full.get_weights()) <= 1e-6
+
+
+@pytest.mark.parametrize("save_freq, generation, epoch, step", [
+    (4, 3, 2, 4),          # saved at steps 4, 8, 12: the last is mid-epoch 2
+    ("epoch", 1, 2, 0),    # saved at the end of epoch 1: epoch 2 starts anew
+])
+def test_a_resume_says_where_it_resumed_from(tmp_path, capsys, save_freq,
+                                             generation, epoch, step):
+    backup_dir = str(tmp_path / "backup")
+    with pytest.raises(RuntimeError, match="crash"):
+        fit_24_steps([BackupAndRestore(backup_dir, save_freq=save_freq),
+                      CrashAt13()])
+    assert "resumed" not in capsys.readouterr().out
+    fit_24_steps([BackupAndRestore(backup_dir, save_freq=save_freq)])
+    assert capsys.readouterr().out.splitlines() == [
+        f"BackupAndRestore: resumed from backup generation {generation} at "
+        f"epoch {epoch}, step {step} ({backup_dir})"]
 
 
 def test_kill_during_an_asynchronous_write_falls_back_to_the_last_commit(
@@ -897,6 +918,9 @@ def test_an_exception_in_fit_lets_the_write_in_flight_commit(tmp_path):
     # The process waited for the write of the step-4 save before it ended.
     assert backup_and_restore._generations(str(backup_dir)) == [2]
     assert not [p for p in os.listdir(backup_dir) if p.startswith(".tmp")]
+    # Released as the process exited: a rerun has no dead owner to take
+    # over from (and says nothing about one).
+    assert not (backup_dir / "LOCK.json").exists()
     state, _ = backup_and_restore._read_generation(str(backup_dir), 2)
     assert state["runtime"]["global_step"] == 4
     resumed, _ = fit_in_process(BackupAndRestore(str(backup_dir)), epochs=2)

@@ -1,17 +1,23 @@
-"""`keras-mgpu doctor` and `keras-mgpu bench`.
+"""`keras-mgpu doctor` and `keras-mgpu bench`, and the console script.
 
 GPU machines are exercised through recorded `nvidia-smi` output in
 `tests/fixtures/nvidia_smi/`; the bench runs for real on logical CPUs once,
-with tiny steps, and everything else is tested without child processes.
+with tiny steps. The console script (`keras_mgpu_cli`) runs as installed, in
+child processes: `--help` and argument errors must not import TensorFlow,
+and `quiet_tensorflow` is checked against the real TensorFlow's start-up
+lines and against a stand-in `tensorflow` module that prints known ones.
 """
 
 import json
 import os
+import re
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
+import keras_mgpu_cli
 from keras_mgpu import _bench
 from keras_mgpu import _doctor
 from keras_mgpu import cli
@@ -19,6 +25,9 @@ from keras_mgpu import cli
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "nvidia_smi")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 CPU = {"name": "/physical_device:CPU:0", "type": "CPU"}
+# What TensorFlow 2.21 prints while `import tensorflow` loads its libraries.
+ABSL_BANNER = "WARNING: All log messages before absl::InitializeLog() is called"
+INFO_LINE = re.compile(r"^I\d{4} ", re.MULTILINE)
 
 
 def fixture_text(name):
@@ -351,6 +360,28 @@ def test_plot_writes_a_png(tmp_path):
     assert len(data) > 10_000
 
 
+def test_plot_axes_start_at_zero_and_efficiency_is_in_percent():
+    import matplotlib.pyplot as plt
+
+    fig = _bench.figure(fake_payload())
+    try:
+        throughput, efficiency = fig.axes
+        # The lowest throughput is 1000 examples/s: autoscaling alone would
+        # start the axis near it.
+        assert throughput.get_ylim()[0] == 0
+        assert throughput.get_ylim()[1] >= 8000
+        assert "%" in efficiency.get_ylabel()
+        assert efficiency.get_ylim() == (0, 110)
+        curves = {line.get_label(): list(line.get_ydata())
+                  for line in efficiency.get_lines()}
+        # As the table shows them: 100%, 95%, 90% for float32.
+        assert curves["float32"] == pytest.approx([100, 95, 90])
+        assert curves["mixed_bfloat16"] == pytest.approx([100, 90, 80])
+        assert list(curves["ideal"]) == [100, 100]
+    finally:
+        plt.close(fig)
+
+
 # --- bench: end to end on logical CPUs -----------------------------------------
 
 
@@ -358,8 +389,9 @@ def test_bench_end_to_end_on_logical_cpus(tmp_path):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="-1", TF_CPP_MIN_LOG_LEVEL="2")
     env.pop("TF_CONFIG", None)
+    # The console script; its children run `python -m keras_mgpu.cli`.
     done = subprocess.run(
-        [sys.executable, "-m", "keras_mgpu.cli", "bench", "--model", "mlp",
+        [console_script(), "bench", "--model", "mlp",
          "--replicas", "1,2", "--steps", "2", "--repeats", "1",
          "--warmup-steps", "1", "--batch-size", "4", "--json", str(out),
          "--plot", str(png)],
@@ -381,3 +413,165 @@ def test_bench_end_to_end_on_logical_cpus(tmp_path):
     assert "by construction" in payload["input_wait"]["reason"]
     data = png.read_bytes()
     assert data.startswith(PNG_SIGNATURE) and len(data) > 10_000
+
+
+# --- The console script: no TensorFlow before the arguments parse -----------------
+
+
+def console_script() -> str:
+    """The installed `keras-mgpu`, checked to be the TensorFlow-free entry."""
+    path = os.path.join(os.path.dirname(sys.executable), "keras-mgpu")
+    assert os.path.exists(path), (
+        f"No console script at {path}: install the package, e.g. "
+        "`pip install -e .`.")
+    with open(path) as f:
+        text = f.read()
+    assert "keras_mgpu_cli" in text, (
+        f"{path} is an older install (it imports keras_mgpu.cli, and so "
+        "TensorFlow, first): reinstall with `pip install -e .`.")
+    return path
+
+
+def imported_modules(stderr: str) -> set:
+    """Top-level modules named in `-X importtime` output."""
+    return {m.group(1).split(".")[0]
+            for m in re.finditer(r"^import time:.*\|\s*(\S+)\s*$", stderr,
+                                 re.MULTILINE)}
+
+
+@pytest.mark.parametrize("argv, code, named", [
+    (["--help"], 0, "{doctor,bench}"),
+    (["bench", "--help"], 0, "--replicas"),
+    (["doctor", "--help"], 0, "--need"),
+    (["bench", "--replicas", "0"], 2, "--replicas: 0 is out of range"),
+    (["bench", "--model", "vgg"], 2, "'vgg'"),
+    (["doctor", "--need", "foo"], 2, "--need: unknown value 'foo'"),
+    ([], 2, "required: {doctor,bench}"),
+])
+def test_console_script_answers_without_tensorflow(argv, code, named):
+    env = dict(os.environ, PYTHONPROFILEIMPORTTIME="1")
+    done = subprocess.run([console_script(), *argv], capture_output=True,
+                          text=True, timeout=60, env=env)
+    assert done.returncode == code, done.stderr[-3000:]
+    assert named in (done.stdout if code == 0 else done.stderr)
+    modules = imported_modules(done.stderr)
+    assert "keras_mgpu_cli" in modules  # the import log is read right
+    assert not {"tensorflow", "keras", "keras_mgpu"} & modules
+
+
+def test_moved_names_are_the_same_objects():
+    # Defined once, in keras_mgpu_cli; the old homes keep working.
+    assert _bench.parse_int_list is keras_mgpu_cli.parse_int_list
+    assert _bench.parse_choice_list is keras_mgpu_cli.parse_choice_list
+    assert _bench.MODELS is keras_mgpu_cli.MODELS
+    assert _bench.PRECISIONS is keras_mgpu_cli.PRECISIONS
+    assert _bench.MAX_REPLICAS == keras_mgpu_cli.MAX_REPLICAS
+    assert _doctor.FEATURES is keras_mgpu_cli.FEATURES
+    assert set(_doctor.FEATURES) == {"tuner", "profile", "wandb"}
+    assert all(name in _doctor.OPTIONAL_PACKAGES
+               for names in _doctor.FEATURES.values() for name in names)
+    assert cli.build_parser is keras_mgpu_cli.build_parser
+
+
+# --- quiet_tensorflow --------------------------------------------------------------
+
+
+def run_quiet_tensorflow(level=None, path=()):
+    """`quiet_tensorflow()`, then `import tensorflow`, in a fresh interpreter.
+
+    Returns:
+        The exit code, stdout's lines (TF_CPP_MIN_LOG_LEVEL afterwards, and
+        whether quiet_tensorflow imported TensorFlow) and stderr.
+
+    `level`: TF_CPP_MIN_LOG_LEVEL as the user set it (`None`: unset).
+    `path`: folders put first on sys.path (a stand-in `tensorflow`).
+    """
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="-1")
+    env.pop("TF_CPP_MIN_LOG_LEVEL", None)
+    if level is not None:
+        env["TF_CPP_MIN_LOG_LEVEL"] = level
+    env["PYTHONPATH"] = os.pathsep.join(
+        [*map(str, path), env.get("PYTHONPATH", "")])
+    # Prints the level and whether quiet_tensorflow imported TensorFlow,
+    # then imports it (if it did not) as the program would.
+    code = textwrap.dedent("""
+        import os, sys
+        import keras_mgpu_cli
+        try:
+            keras_mgpu_cli.quiet_tensorflow()
+        finally:
+            print(os.environ.get("TF_CPP_MIN_LOG_LEVEL"))
+            print("tensorflow" in sys.modules, flush=True)
+        import tensorflow
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                          text=True, timeout=120, env=env)
+    return done.returncode, done.stdout.splitlines(), done.stderr
+
+
+def test_quiet_tensorflow_hides_the_real_start_up_lines():
+    # The control: with the user's level 0, TensorFlow prints its lines.
+    code, out, loud = run_quiet_tensorflow(level="0")
+    assert code == 0 and out == ["0", "False"], loud
+    if ABSL_BANNER not in loud and not INFO_LINE.search(loud):
+        pytest.skip("this TensorFlow prints nothing while it loads")
+    code, out, quiet = run_quiet_tensorflow()
+    assert code == 0 and out == ["3", "True"], quiet
+    assert ABSL_BANNER not in quiet
+    assert not INFO_LINE.search(quiet), quiet
+    assert "To enable the following instructions:" not in quiet
+
+
+FAKE_TENSORFLOW = """
+import os, sys
+for line in ({lines!r}):
+    os.write(2, (line + "\\n").encode())
+sys.stderr.write("python-level warning from the import\\n")
+if {fail!r}:
+    raise ImportError("stand-in tensorflow failed to load")
+"""
+FAKE_LINES = (
+    ABSL_BANNER + " are written to STDERR",
+    "I0000 00:00:1796161893.639087    5602 port.cc:153] oneDNN custom "
+    "operations are on.",
+    "I0000 00:00:1796161893.715587    5602 cpu_feature_guard.cc:227] This "
+    "TensorFlow binary is optimized to use available CPU instructions.",
+    "To enable the following instructions: AVX2 FMA, in other operations, "
+    "rebuild TensorFlow with the appropriate compiler flags.",
+    "W0000 00:00:1796161893.8    5602 something.cc:1] a warning to keep",
+    "E0000 00:00:1796161893.9    5602 cuda_platform.cc:52] an error to keep",
+)
+
+
+def fake_tensorflow(tmp_path, fail=False):
+    folder = tmp_path / "fake"
+    folder.mkdir()
+    (folder / "tensorflow.py").write_text(
+        FAKE_TENSORFLOW.format(lines=FAKE_LINES, fail=fail))
+    return folder
+
+
+def test_quiet_tensorflow_keeps_all_but_the_info_lines(tmp_path):
+    code, out, err = run_quiet_tensorflow(path=[fake_tensorflow(tmp_path)])
+    assert code == 0 and out == ["3", "True"], err
+    assert err.splitlines() == [
+        FAKE_LINES[4], FAKE_LINES[5], "python-level warning from the import"]
+
+
+def test_quiet_tensorflow_lets_the_user_level_win(tmp_path):
+    code, out, err = run_quiet_tensorflow(level="0",
+                                          path=[fake_tensorflow(tmp_path)])
+    # Left alone: imported later, by the program, printing every line.
+    assert code == 0 and out == ["0", "False"], err
+    assert err.splitlines() == [*FAKE_LINES,
+                                "python-level warning from the import"]
+
+
+def test_quiet_tensorflow_shows_everything_when_the_import_fails(tmp_path):
+    code, out, err = run_quiet_tensorflow(
+        path=[fake_tensorflow(tmp_path, fail=True)])
+    assert code == 1 and out == ["3", "False"]
+    lines = err.splitlines()
+    assert lines[:len(FAKE_LINES) + 1] == [
+        *FAKE_LINES, "python-level warning from the import"]
+    assert lines[-1] == "ImportError: stand-in tensorflow failed to load"

@@ -39,7 +39,7 @@ def test_version_range_includes_both_ends():
 
 
 def test_installed_keras_is_in_the_tested_range():
-    # The suite runs on the tested pairs only (README, Compatibility); a new
+    # The suite runs on the tested pairs only (docs/compatibility.md); a new
     # pair is added to TESTED_KERAS once the suite passes on it.
     assert compat.TESTED_KERAS.contains(keras.__version__)
     with warnings.catch_warnings():

@@ -10,6 +10,9 @@ import tensorflow as tf
 from keras_mgpu import data
 from tests.conftest import mirrored
 
+# Outside every scope tfrecord_dataset needs its strategy named.
+ONE_DEVICE = tf.distribute.get_strategy()
+
 
 def arrays(n=50):
     rng = np.random.RandomState(0)
@@ -27,7 +30,7 @@ def test_round_trip_keeps_values_dtypes_and_order(tmp_path):
     paths = data.write_tfrecords((x, y), str(tmp_path), num_shards=1)
     assert len(paths) == 1
     ds = data.tfrecord_dataset(str(tmp_path / "*.tfrecord"),
-                               per_replica_batch_size=8)
+                               per_replica_batch_size=8, strategy=ONE_DEVICE)
     got_x, got_y = collect(ds)
     np.testing.assert_array_equal(got_x, x)
     np.testing.assert_array_equal(got_y, y)
@@ -41,13 +44,15 @@ def test_dict_and_dataset_inputs(tmp_path):
     data.write_tfrecords({"image": x, "label": y}, str(tmp_path / "a"),
                          num_shards=3)
     batch = next(iter(data.tfrecord_dataset(
-        str(tmp_path / "a" / "*.tfrecord"), per_replica_batch_size=12)))
+        str(tmp_path / "a" / "*.tfrecord"), per_replica_batch_size=12,
+            strategy=ONE_DEVICE)))
     assert set(batch) == {"image", "label"}
     assert sorted(batch["label"].numpy()) == sorted(y)
     source = tf.data.Dataset.from_tensor_slices((x, y))
     data.write_tfrecords(source, str(tmp_path / "b"), num_shards=2)
     got = collect(data.tfrecord_dataset(str(tmp_path / "b" / "*.tfrecord"),
-                                        per_replica_batch_size=4))
+                                        per_replica_batch_size=4,
+                                        strategy=ONE_DEVICE))
     assert sorted(got[1]) == sorted(y)
 
 
@@ -56,6 +61,15 @@ def test_global_batch_follows_the_strategy(tmp_path):
     ds = data.tfrecord_dataset(str(tmp_path / "*.tfrecord"),
                                per_replica_batch_size=5, strategy=mirrored(4))
     assert [int(x.shape[0]) for x, _ in ds] == [20, 20]
+    with mirrored(4).scope():
+        ds = data.tfrecord_dataset(str(tmp_path / "*.tfrecord"),
+                                   per_replica_batch_size=5)
+    assert [int(x.shape[0]) for x, _ in ds] == [20, 20]
+    # Outside a scope the default strategy's 1 replica would give 5.
+    with pytest.raises(ValueError, match=r"tfrecord_dataset\(per_replica_"
+                       r"batch_size=5\) was called outside a strategy scope"):
+        data.tfrecord_dataset(str(tmp_path / "*.tfrecord"),
+                              per_replica_batch_size=5)
 
 
 def test_seeded_shuffle_is_deterministic(tmp_path):
@@ -64,7 +78,8 @@ def test_seeded_shuffle_is_deterministic(tmp_path):
 
     def epochs(seed, n=2):
         ds = data.tfrecord_dataset(pattern, per_replica_batch_size=8,
-                                   shuffle=True, seed=seed, shuffle_buffer=64)
+                                   shuffle=True, seed=seed, shuffle_buffer=64,
+                                   strategy=ONE_DEVICE)
         return [collect(ds)[1] for _ in range(n)]
 
     first, second = epochs(1), epochs(1)
@@ -79,7 +94,7 @@ def test_cache_and_remainder(tmp_path):
     data.write_tfrecords(arrays(10), str(tmp_path), num_shards=2)
     pattern = str(tmp_path / "*.tfrecord")
     ds = data.tfrecord_dataset(pattern, per_replica_batch_size=4, cache=True,
-                               drop_remainder=True)
+                               drop_remainder=True, strategy=ONE_DEVICE)
     assert [int(x.shape[0]) for x, _ in ds] == [4, 4]
     assert [int(x.shape[0]) for x, _ in ds] == [4, 4]
 
@@ -97,7 +112,7 @@ def test_map_fn_runs_per_example_before_the_cache(tmp_path):
 
     ds = data.tfrecord_dataset(str(tmp_path / "*.tfrecord"),
                                per_replica_batch_size=4, cache=True,
-                               map_fn=decode)
+                               map_fn=decode, strategy=ONE_DEVICE)
     for _ in range(3):
         got_x, got_y = collect(ds)
         np.testing.assert_array_equal(got_x, 2 * x)
@@ -105,13 +120,14 @@ def test_map_fn_runs_per_example_before_the_cache(tmp_path):
     assert len(calls) == 10
     with pytest.raises(TypeError, match="map_fn must be a function.*got 3"):
         data.tfrecord_dataset(str(tmp_path / "*.tfrecord"),
-                              per_replica_batch_size=4, map_fn=3)
+                              per_replica_batch_size=4, map_fn=3,
+                              strategy=ONE_DEVICE)
 
 
 def test_no_files_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="No files match .*nothing"):
         data.tfrecord_dataset(str(tmp_path / "nothing-*.tfrecord"),
-                              per_replica_batch_size=2)
+                              per_replica_batch_size=2, strategy=ONE_DEVICE)
 
 
 def test_corrupt_record_is_named_with_file_and_index(tmp_path):
@@ -122,7 +138,8 @@ def test_corrupt_record_is_named_with_file_and_index(tmp_path):
     open(paths[1], "wb").write(bytes(raw))
     pattern = str(tmp_path / "*.tfrecord")
     with pytest.raises(ValueError) as info:
-        data.tfrecord_dataset(pattern, per_replica_batch_size=2, verify="all")
+        data.tfrecord_dataset(pattern, per_replica_batch_size=2, verify="all",
+                              strategy=ONE_DEVICE)
     message = str(info.value)
     assert "data-00001-of-00002.tfrecord" in message
     assert "record 3 is corrupt" in message
@@ -140,18 +157,20 @@ def test_spec_mismatch_is_named(tmp_path):
     spec_path.write_text(json.dumps(spec))
     with pytest.raises(ValueError, match="record 0 does not match spec.json"):
         data.tfrecord_dataset(str(tmp_path / "*.tfrecord"),
-                              per_replica_batch_size=2)
+                              per_replica_batch_size=2, strategy=ONE_DEVICE)
 
 
 def test_missing_spec_and_bad_arguments(tmp_path):
     (tmp_path / "x.tfrecord").write_bytes(b"")
     with pytest.raises(FileNotFoundError, match="No spec.json"):
         data.tfrecord_dataset(str(tmp_path / "*.tfrecord"),
-                              per_replica_batch_size=2)
+                              per_replica_batch_size=2, strategy=ONE_DEVICE)
     with pytest.raises(ValueError, match="got 0"):
-        data.tfrecord_dataset("x", per_replica_batch_size=0)
+        data.tfrecord_dataset("x", per_replica_batch_size=0,
+                              strategy=ONE_DEVICE)
     with pytest.raises(ValueError, match="verify must be"):
-        data.tfrecord_dataset("x", per_replica_batch_size=1, verify="some")
+        data.tfrecord_dataset("x", per_replica_batch_size=1, verify="some",
+                              strategy=ONE_DEVICE)
     with pytest.raises(ValueError, match="num_shards"):
         data.write_tfrecords(arrays(4), str(tmp_path), num_shards=0)
     with pytest.raises(ValueError, match="same number of examples"):
@@ -206,7 +225,8 @@ def test_numpy_shard_count_path_directory_and_bare_pattern(tmp_path,
     # A pattern without a folder used to look for "/spec.json".
     monkeypatch.chdir(tmp_path)
     assert data.verify_tfrecords("*.tfrecord") == 6
-    ds = data.tfrecord_dataset("*.tfrecord", per_replica_batch_size=6)
+    ds = data.tfrecord_dataset("*.tfrecord", per_replica_batch_size=6,
+                               strategy=ONE_DEVICE)
     assert sorted(next(iter(ds))[1].numpy()) == sorted(arrays(6)[1])
 
 
@@ -234,7 +254,8 @@ def test_corrupt_spec_names_the_file_and_the_cause(tmp_path, content, cause):
     readers = [
         lambda: data.read_spec(str(tmp_path)),
         lambda: data.tfrecord_dataset(str(tmp_path / "*.tfrecord"),
-                                      per_replica_batch_size=2),
+                                      per_replica_batch_size=2,
+                                      strategy=ONE_DEVICE),
         lambda: data.verify_tfrecords(str(tmp_path / "*.tfrecord")),
     ]
     for read in readers:
@@ -268,7 +289,7 @@ def test_tfrecord_dataset_refuses_bad_arguments(kwargs, error, match):
     kwargs = {"pattern": "no-such-dir/*.tfrecord", "per_replica_batch_size": 2,
               **kwargs}
     with pytest.raises(error, match=match):
-        data.tfrecord_dataset(**kwargs)
+        data.tfrecord_dataset(**kwargs, strategy=ONE_DEVICE)
 
 
 # Nested structures (#16). N examples, several shards: the shards are read
@@ -355,7 +376,7 @@ def test_any_nesting_round_trips_exactly(tmp_path, nesting, source):
     spec = data.read_spec(tmp_path)
     assert spec["version"] == 2 and spec["num_examples"] == N
     ds = data.tfrecord_dataset(str(tmp_path / "*.tfrecord"),
-                               per_replica_batch_size=4)
+                               per_replica_batch_size=4, strategy=ONE_DEVICE)
     batches = list(ds)
     assert [len(tf.nest.flatten(b)[0]) for b in batches] == [4, 4, 2]
     for i, batch in enumerate(batches):
@@ -385,7 +406,7 @@ def test_a_version_1_spec_is_refused_clearly(tmp_path):
                      "f1": {"dtype": "int64", "shape": []}}}))
     with pytest.raises(ValueError) as info:
         data.tfrecord_dataset(str(tmp_path / "*.tfrecord"),
-                              per_replica_batch_size=2)
+                              per_replica_batch_size=2, strategy=ONE_DEVICE)
     message = str(info.value)
     assert repr(str(spec_path)) in message
     assert "spec version 1 (an older keras-mgpu); this keras-mgpu reads " \
@@ -462,7 +483,8 @@ def test_refused_write_keeps_the_previous_one(tmp_path):
                              name="other")
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
     got_x, got_y = collect(data.tfrecord_dataset(
-        str(tmp_path / "*.tfrecord"), per_replica_batch_size=6))
+        str(tmp_path / "*.tfrecord"), per_replica_batch_size=6,
+            strategy=ONE_DEVICE))
     np.testing.assert_array_equal(got_x, x)
     np.testing.assert_array_equal(got_y, y)
 

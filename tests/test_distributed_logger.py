@@ -803,3 +803,19 @@ def test_the_models_summaries_follow_the_logger_the_step_was_traced_with(
     fit(DistributedLogger(str(tmp_path / "c"), update_freq=2, console=False))
     # The run's global step goes on across fits and loggers.
     assert summary_steps(str(tmp_path / "c")) == [14, 16]
+
+
+def test_the_input_bound_label_comes_from_the_number_shown_beside_it():
+    from keras_mgpu.callbacks import distributed_logger, input_wait_summary
+
+    # Two workers waiting 6.2% and 25% of their steps: 15.6% on average.
+    rows = np.array([[0.010, 100.0, 0.062], [0.012, 90.0, 0.25]])
+    record = distributed_logger._across_workers(rows)
+    assert record["input_wait"] == pytest.approx(0.156)
+    # Not "highly" (above 20%), which only the second worker is.
+    assert record["input_bound"] == "moderately"
+    assert record["worker_input_wait"]["max"] == pytest.approx(0.25)
+    assert input_wait_summary(record["input_wait"]) == (
+        "15.6% of step time (moderately input-bound)")
+    assert input_wait_summary(0.01) == "1.0% of step time (not input-bound)"
+    assert input_wait_summary(0.2001) == "20.0% of step time (highly input-bound)"

@@ -13,7 +13,8 @@ MODULES = ["keras_mgpu.strategy", "keras_mgpu.compat", "keras_mgpu.launcher",
            "keras_mgpu.callbacks.distributed_logger", "keras_mgpu.data",
            "keras_mgpu._doctor", "keras_mgpu._bench", "keras_mgpu.runtime",
            "keras_mgpu.callbacks._backup_lock",
-           "keras_mgpu.callbacks.loss_scale_monitor", "keras_mgpu.schedules"]
+           "keras_mgpu.callbacks.loss_scale_monitor", "keras_mgpu.schedules",
+           "keras_mgpu_cli"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -24,13 +24,12 @@ def run_example(name, tmp_path, *args, timeout=300):
 
 
 @pytest.mark.parametrize("name, expected", [
-    ("demo.py", ("test accuracy:", "input wait:")),
     ("accumulation.py", "optimizer steps in all: 12"),
     ("mixed_precision.py", "output dtype: float32"),
     ("logging_example.py", "tensorboard --logdir"),
     ("backup.py", "optimizer steps: 90"),
     ("data_pipeline.py", ("records verified: 1437", "starved ", "fed ",
-                          "waiting for input")),
+                          "input wait ")),
     ("custom_training_loop.py", "fit: same weights as the loop"),
     ("multi_worker.py", '"replicas": 2'),
     ("tune.py", "effective/global_batch_size"),
@@ -39,3 +38,22 @@ def test_example_runs(name, expected, tmp_path):
     output = run_example(name, tmp_path)
     for text in (expected,) if isinstance(expected, str) else expected:
         assert text in output
+
+
+def test_the_demo_reports_and_prints_commands_that_run_as_printed(tmp_path):
+    output = run_example("demo.py", tmp_path)
+    for text in ("Tuning the hidden width", "DistributedLogger epoch 2:",
+                 "test accuracy:", "input wait:"):
+        assert text in output
+    lines = {line.split(":", 1)[0].strip(): line.split(":", 1)[1].split()
+             for line in output.splitlines() if line.startswith("  ")
+             and ":" in line}
+    for label in ("view them", "on 2 workers"):
+        program = os.path.join(EXAMPLES, lines[label][0])
+        # The demo's own interpreter or its TensorBoard, not a bare
+        # `python` or `tensorboard` that may not be on PATH.
+        assert os.path.dirname(os.path.abspath(program)) == os.path.dirname(
+            os.path.abspath(sys.executable)), lines[label]
+        assert os.access(program, os.X_OK), lines[label]
+    script = os.path.join(EXAMPLES, lines["on 2 workers"][1])
+    assert os.path.isfile(script)

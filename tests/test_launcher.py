@@ -1,4 +1,6 @@
+import os
 import signal
+import tempfile
 import textwrap
 
 import pytest
@@ -143,3 +145,68 @@ def test_function_target_refuses_unimportable_and_unserialisable_input():
 def test_free_ports_refuses_a_non_count(n):
     with pytest.raises(ValueError, match=f"an integer >= 0\\), got {n!r}"):
         launcher.free_ports(n)
+
+
+# A script worker, fast to start (no TensorFlow): it writes a line to stderr,
+# then exits 3 if it is the worker named by its argument, else 0; or, with
+# "hang", waits for a signal until the launcher kills it.
+NOISY_SCRIPT = """
+import json, os, signal, sys
+index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+print(f"noise from worker {index}", file=sys.stderr, flush=True)
+if sys.argv[1] == "hang":
+    signal.pause()
+sys.exit(3 if index == int(sys.argv[1]) else 0)
+"""
+
+
+@pytest.fixture
+def noisy_script(tmp_path):
+    path = tmp_path / "noisy.py"
+    path.write_text(NOISY_SCRIPT)
+    return str(path)
+
+
+@pytest.fixture
+def temp_root(tmp_path, monkeypatch):
+    """An empty folder that `tempfile` uses instead of the system's."""
+    root = tmp_path / "tmp"
+    root.mkdir()
+    # tempfile caches its folder: TMPDIR alone would be read only once.
+    monkeypatch.setattr(tempfile, "tempdir", str(root))
+    return root
+
+
+def test_worker_files_are_removed_however_the_run_ends(noisy_script,
+                                                       temp_root):
+    results = launcher.run_local_workers(noisy_script, 2, args=["-1"],
+                                         timeout=60)
+    assert [r.returncode for r in results] == [0, 0]
+    # Read before the files went.
+    assert results[1].stderr == "noise from worker 1\n"
+    assert os.listdir(temp_root) == []
+
+    with pytest.raises(launcher.WorkerError) as info:
+        launcher.run_local_workers(noisy_script, 2, args=["1"], timeout=60)
+    assert info.value.results[1].returncode == 3
+    assert "noise from worker 1" in info.value.results[1].stderr
+    assert os.listdir(temp_root) == []
+
+    # Raised inside the wait, not after it.
+    with pytest.raises(launcher.WorkerError, match="timed out"):
+        launcher.run_local_workers(noisy_script, 2, args=["hang"], timeout=2)
+    assert os.listdir(temp_root) == []
+
+
+def test_worker_stderr_is_shown_only_when_the_worker_fails(noisy_script,
+                                                           capfd):
+    results = launcher.run_local_workers(noisy_script, 2, args=["-1"],
+                                         timeout=60)
+    assert "noise from worker 1" in results[1].stderr
+    assert "noise from worker" not in "".join(capfd.readouterr())
+
+    with pytest.raises(launcher.WorkerError) as info:
+        launcher.run_local_workers(noisy_script, 2, args=["1"], timeout=60)
+    assert "noise from worker" not in "".join(capfd.readouterr())
+    message = str(info.value)
+    assert "worker 1 (exit 3) stderr tail:\nnoise from worker 1" in message

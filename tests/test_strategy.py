@@ -212,7 +212,7 @@ def test_multi_worker_strategy_after_initialisation_is_a_clear_error():
 
 
 def test_global_batch_size():
-    assert keras_mgpu.global_batch_size(16) == 16
+    assert keras_mgpu.global_batch_size(16, tf.distribute.get_strategy()) == 16
     assert keras_mgpu.global_batch_size(16, mirrored(4)) == 64
     with mirrored(2).scope():
         assert keras_mgpu.global_batch_size(8) == 16
@@ -221,6 +221,19 @@ def test_global_batch_size():
         keras_mgpu.global_batch_size(0)
     with pytest.raises(TypeError, match="got 2.5"):
         keras_mgpu.global_batch_size(2.5)
+
+
+def test_replica_counts_outside_a_scope_need_the_strategy():
+    strategy = mirrored(2)
+    # Without the check, both return 16 and 1 here: the default strategy's.
+    with pytest.raises(ValueError, match=r"global_batch_size\(16\) was called "
+                       "outside a strategy scope.*Pass the strategy"):
+        keras_mgpu.global_batch_size(16)
+    with pytest.raises(ValueError, match=r"num_replicas\(\) was called outside"):
+        keras_mgpu.num_replicas()
+    assert keras_mgpu.global_batch_size(16, strategy) == 32
+    with strategy.scope():
+        assert keras_mgpu.global_batch_size(16) == 32
 
 
 def test_process_helpers_read_tf_config(monkeypatch):
@@ -241,7 +254,7 @@ def test_make_tf_config_round_trips():
 
 
 def test_multi_worker_strategy_makes_tensorflow_swallow_sigterm():
-    """What the README documents: once MultiWorkerMirroredStrategy exists,
+    """What docs/strategy.md documents: once MultiWorkerMirroredStrategy exists,
     TensorFlow's preemption notifier handles SIGTERM and the process lives
     on (without BackupAndRestore(save_on_sigterm=True))."""
     from keras_mgpu.launcher import free_ports

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import io
 import json
@@ -22,6 +23,7 @@ import tensorflow as tf
 
 from keras_mgpu._checks import is_nonempty_path, is_positive_int, is_url
 from keras_mgpu import compat
+from keras_mgpu.callbacks._console import print_msg
 from keras_mgpu.callbacks._backup_lock import BackupDirInUse, OwnerLock  # noqa: F401
 from keras_mgpu import strategy as strategy_lib
 from keras_mgpu.runtime import training_runtime
@@ -369,6 +371,11 @@ class BackupAndRestore(keras.callbacks.Callback):
             # Before the restore, which sweeps what killed saves left.
             self._lock = OwnerLock(self.backup_dir)
             self._lock.acquire()
+            # A fit that raises (Ctrl-C included) skips on_train_end: the
+            # lock goes when the process exits, after the write in flight
+            # (non-daemon threads are joined before atexit runs), so the
+            # rerun finds no dead owner to take over from.
+            atexit.register(self._release_lock)
         try:
             self._restore()
         except BaseException:
@@ -462,6 +469,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 tf.io.gfile.rmtree(self.backup_dir)
 
     def _release_lock(self) -> None:
+        atexit.unregister(self._release_lock)
         if self._lock is not None:
             self._lock.release()
             self._lock = None
@@ -673,6 +681,14 @@ class BackupAndRestore(keras.callbacks.Callback):
                              step_in_epoch=state["step_in_epoch"])
         self._last_saved_step = self._runtime.global_step
         self._pending_callback_state = state["callbacks"]
+        if self._chief:
+            # Epochs counted as Keras's progress bar counts them; the step is
+            # the batches of that epoch already trained.
+            print_msg(
+                f"BackupAndRestore: resumed from backup generation {chosen} "
+                f"at epoch {state['epoch'] + 1}, step "
+                f"{state['step_in_epoch']} ({self.backup_dir})"
+            )
 
     def _all_unusable(self, unusable: list) -> None:
         message = (

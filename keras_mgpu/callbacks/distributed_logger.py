@@ -6,7 +6,6 @@ import contextlib
 import dataclasses
 import importlib.util
 import os
-import sys
 import time
 import warnings
 import weakref
@@ -15,11 +14,11 @@ from typing import Optional, Union
 import keras
 import numpy as np
 import tensorflow as tf
-from absl import logging as absl_logging
 
 from keras_mgpu import compat
 from keras_mgpu._checks import is_nonempty_path, is_positive_int
 from keras_mgpu import strategy as strategy_lib
+from keras_mgpu.callbacks._console import print_msg as _print_msg
 from keras_mgpu.callbacks._sinks import Sinks
 from keras_mgpu.runtime import training_runtime
 
@@ -167,7 +166,8 @@ class DistributedLogger(keras.callbacks.Callback):
     training math is unchanged. Without Keras's compiled train function
     (`run_eagerly=True`, or batches another callback stands in for) a
     record's `input_wait` is `null`; so in a hand-written loop. A multi-worker record gives the mean
-    over workers and flags `input_bound` from the most input-bound one.
+    over workers, flagged (`input_bound`) from that mean; each worker's is
+    in `worker_input_wait`.
 
     Args:
         log_dir: Directory for all output (created on the chief only): a
@@ -866,6 +866,32 @@ def _input_bound(fraction: Optional[float]) -> Optional[str]:
     return "moderately" if fraction > 0.05 else "no"
 
 
+def input_wait_summary(fraction: Optional[float]) -> str:
+    """A record's `input_wait` as the logger prints it: percent and label.
+
+    The label is the record's `input_bound`: above 5% of the step time
+    "moderately", above 20% "highly" input-bound (xprof's thresholds),
+    decided from the same number that is printed (over several workers,
+    their mean).
+
+    Args:
+        fraction: A record's `input_wait` (0 to 1), or `None` where it was
+            not measured.
+
+    Example:
+
+    >>> input_wait_summary(0.156)
+    '15.6% of step time (moderately input-bound)'
+    >>> input_wait_summary(None)
+    'n/a'
+    """
+    if fraction is None:
+        return "n/a"
+    bound = _input_bound(fraction)
+    return (f"{100 * fraction:.1f}% of step time "
+            f"({'not' if bound == 'no' else bound} input-bound)")
+
+
 def _across_workers(rows: np.ndarray) -> dict:
     step_time, per_sec, waited = rows[:, 0], rows[:, 1], rows[:, 2]
 
@@ -884,9 +910,11 @@ def _across_workers(rows: np.ndarray) -> dict:
         "input_wait": (
             None if np.isnan(waited).any() else float(waited.mean())
         ),
+        # From the mean, the figure reported beside it: one rule for every
+        # record. The most input-bound worker is in worker_input_wait.
         "input_bound": (
             None if np.isnan(waited).any() else _input_bound(
-                float(waited.max()))
+                float(waited.mean()))
         ),
         "slowest_worker": int(np.argmax(step_time)),
     }
@@ -897,17 +925,6 @@ def _record(kind, epoch, step, measured, common, metrics, resume=None) -> dict:
               "step": step, "time": time.time(), "metrics": metrics,
               "resume": resume}
     return {key: values.get(key) for key in JSONL_KEYS}
-
-
-def _print_msg(text: str) -> None:
-    """Keras's own `print_msg` (`keras/src/utils/io_utils.py`), which its
-    progress bar prints with, from public API: a line on stdout, flushed, or
-    an absl log line when Keras's interactive logging is off."""
-    if keras.config.is_interactive_logging_enabled():
-        sys.stdout.write(f"{text}\n")
-        sys.stdout.flush()
-    else:
-        absl_logging.info(text)
 
 
 def _shows_progress_bar(params) -> bool:
@@ -930,12 +947,7 @@ def _console_line(record: dict) -> str:
         f"step {1000 * record['step_time_mean']:.1f} ms mean, "
         f"{1000 * record['step_time_max']:.1f} ms max,"
     )
-    if record["input_wait"] is None:
-        parts.append("input wait n/a")
-    else:
-        parts.append(f"input wait {100 * record['input_wait']:.0f}%")
-        if record["input_bound"] != "no":
-            parts.append(f"({record['input_bound']} input-bound)")
+    parts.append(f"input wait {input_wait_summary(record['input_wait'])}")
     if record["workers"] > 1:
         parts.append(f"(slowest worker {record['slowest_worker']})")
     return " ".join(parts)

@@ -1,0 +1,348 @@
+"""The `keras-mgpu` console script: parses its arguments without TensorFlow.
+
+    keras-mgpu doctor [--json] [--need tuner,profile,wandb]
+    keras-mgpu bench [--model resnet|mlp] [--replicas 1,2,4]
+                     [--precision float32,mixed] [--accum 1,4]
+                     [--steps 20] [--batch-size 64] [--json PATH]
+                     [--plot out.png]
+
+This module is outside the `keras_mgpu` package on purpose: importing
+anything from `keras_mgpu` first runs `keras_mgpu/__init__.py`, which imports
+Keras, and so TensorFlow (3-8 s), to register its serializable classes with
+Keras. `keras-mgpu --help` and a mistyped argument need none of that, so the
+argument parser, and the constants and list parsers it checks values with,
+live here and import only the standard library. `main` imports
+`keras_mgpu.cli`, which runs the command, only once the arguments parse.
+
+`quiet_tensorflow()` is also used by the examples: it imports TensorFlow
+without the log lines TensorFlow prints while it loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import tempfile
+from typing import Callable, Optional, Sequence
+
+MODELS = ("resnet", "mlp")
+PRECISIONS = ("float32", "mixed", "mixed_bfloat16", "mixed_float16")
+MAX_REPLICAS = 64
+# Feature (the pip extra of the same name) -> the display names of the
+# packages it needs (keys of `keras_mgpu._doctor.OPTIONAL_PACKAGES`).
+FEATURES = {
+    "tuner": ("KerasTuner",),
+    "profile": ("TensorBoard", "xprof"),
+    "wandb": ("wandb",),
+}
+
+# What TensorFlow's C++ libraries print while `import tensorflow` loads them,
+# before TF_CPP_MIN_LOG_LEVEL is read: INFO lines (`I0123 ...`), absl's
+# banner, and the second line of cpu_feature_guard's notice.
+_IMPORT_NOISE = re.compile(
+    r"^(I\d{4} |WARNING: All log messages before absl::InitializeLog\(\)"
+    r"|To enable the following instructions:)"
+)
+
+
+# --- Argument values ----------------------------------------------------------
+
+
+def parse_int_list(text: str, what: str, low: int = 1,
+                   high: Optional[int] = None) -> list[int]:
+    """Comma-separated integers, each in [low, high]; errors name the bad value.
+
+    Args:
+        text: The argument, e.g. `"1,2,4"`.
+        what: The option's name for error messages, e.g. `"--replicas"`.
+        low: Defaults to 1. The smallest value allowed.
+        high: Defaults to `None`, no upper bound. The largest value allowed.
+
+    Returns:
+        The distinct values, sorted.
+
+    Example:
+
+    >>> parse_int_list("2,1,2", "--replicas")
+    [1, 2]
+    >>> parse_int_list("1,x", "--replicas")
+    Traceback (most recent call last):
+    ...
+    ValueError: --replicas: 'x' is not an integer (in '1,x'); expected \
+comma-separated integers such as 1,2,4.
+    """
+    values = []
+    for part in text.split(","):
+        part = part.strip()
+        try:
+            value = int(part)
+        except ValueError:
+            raise ValueError(
+                f"{what}: {part!r} is not an integer (in {text!r}); expected "
+                "comma-separated integers such as 1,2,4."
+            ) from None
+        if value < low or (high is not None and value > high):
+            bound = f"from {low} to {high}" if high is not None else (
+                f"at least {low}")
+            raise ValueError(f"{what}: {value} is out of range; each value "
+                             f"must be {bound}.")
+        values.append(value)
+    return sorted(set(values))
+
+
+def parse_choice_list(text: str, what: str,
+                      choices: Sequence[str]) -> list[str]:
+    """Comma-separated names from `choices`, in order, without repeats.
+
+    Args:
+        text: The argument, e.g. `"float32,mixed"`.
+        what: The option's name for error messages, e.g. `"--precision"`.
+        choices: The names allowed.
+
+    Returns:
+        The names in the order given, each once.
+
+    Example:
+
+    >>> parse_choice_list("float32,mixed", "--precision", PRECISIONS)
+    ['float32', 'mixed']
+    >>> parse_choice_list("fp64", "--precision", PRECISIONS)
+    Traceback (most recent call last):
+    ...
+    ValueError: --precision: unknown value 'fp64'; choose from float32, \
+mixed, mixed_bfloat16, mixed_float16.
+    """
+    names = [p.strip() for p in text.split(",")]
+    for name in names:
+        if name not in choices:
+            raise ValueError(f"{what}: unknown value {name!r}; choose from "
+                             f"{', '.join(choices)}.")
+    return list(dict.fromkeys(names))
+
+
+def _list_type(parse: Callable[..., list], *args) -> Callable[[str], list]:
+    """Wraps a list parser so argparse reports its message (naming the value)."""
+
+    def parse_arg(text: str) -> list:
+        try:
+            return parse(text, *args)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return parse_arg
+
+
+def _positive_int(what: str) -> Callable[[str], int]:
+    def parse_arg(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise argparse.ArgumentTypeError(
+                f"{what}: {text!r} is not a positive integer.")
+        return value
+
+    return parse_arg
+
+
+def _features(text: str) -> list[str]:
+    if text.strip() == "all":
+        return sorted(FEATURES)
+    return parse_choice_list(text, "--need", sorted(FEATURES))
+
+
+# --- The parser ------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of `keras-mgpu` and its subcommands.
+
+    Returns:
+        An `argparse.ArgumentParser`; its namespaces have `command`
+        (`"doctor"` or `"bench"`) and, for `bench`, `subparser` (the bench
+        parser, for errors found once TensorFlow is imported).
+
+    Example:
+
+    >>> args = build_parser().parse_args(["bench", "--replicas", "4,1"])
+    >>> args.command, args.replicas, args.precision
+    ('bench', [1, 4], ['float32'])
+    """
+    parser = argparse.ArgumentParser(
+        prog="keras-mgpu",
+        description="Check a machine for multi-GPU Keras training (doctor) "
+                    "and measure data-parallel scaling (bench).")
+    sub = parser.add_subparsers(dest="command", metavar="{doctor,bench}")
+    sub.required = True
+
+    doctor = sub.add_parser(
+        "doctor", help="versions, devices, interconnect, cluster, advice",
+        description="Report versions, devices, GPU interconnect, the "
+                    "TF_CONFIG cluster and the strategy auto_strategy() "
+                    "would pick, with findings and advice. Exits 1 when a "
+                    "finding is an error.")
+    doctor.add_argument("--json", action="store_true",
+                        help="print the report as JSON")
+    doctor.add_argument("--need", type=_list_type(_features),
+                        default=[], metavar="FEATURES",
+                        help="features you need, comma-separated: "
+                             "tuner,profile,wandb (or all); a missing "
+                             "package for one is an error")
+    # Recorded nvidia-smi output instead of running it (tests, bug reports).
+    doctor.add_argument("--nvidia-smi-topo", metavar="FILE",
+                        help=argparse.SUPPRESS)
+    doctor.add_argument("--nvidia-smi-query", metavar="FILE",
+                        help=argparse.SUPPRESS)
+    doctor.add_argument("--assume-tf-sees-smi-gpus", action="store_true",
+                        help=argparse.SUPPRESS)
+
+    bench = sub.add_parser(
+        "bench", help="examples/s and scaling efficiency at 1..N replicas",
+        description="Train a synthetic workload at each replica count (one "
+                    "process each) and report examples/s, scaling "
+                    "efficiency, the mixed-precision speed-up and memory. "
+                    "Without GPUs the replicas are logical CPU devices: the "
+                    "figures show mechanics, not GPU performance.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    bench.add_argument("--model", choices=MODELS, default="resnet",
+                       help="workload: a ResNet-style ConvNet or an MLP")
+    bench.add_argument("--replicas", default="1,2",
+                       type=_list_type(parse_int_list, "--replicas", 1,
+                                       MAX_REPLICAS),
+                       help="replica counts, comma-separated")
+    bench.add_argument("--precision", default="float32",
+                       type=_list_type(parse_choice_list, "--precision",
+                                       PRECISIONS),
+                       help="comma-separated: float32, mixed (the policy "
+                            "choose_policy picks for the GPUs), or a forced "
+                            "mixed_bfloat16 / mixed_float16")
+    bench.add_argument("--accum", default="1",
+                       type=_list_type(parse_int_list, "--accum", 1),
+                       help="gradient accumulation steps, comma-separated; "
+                            "1 = plain fit, N > 1 = GradientAccumulationModel")
+    bench.add_argument("--steps", type=_positive_int("--steps"), default=20,
+                       help="timed steps (micro-batches) per repeat")
+    bench.add_argument("--repeats", type=_positive_int("--repeats"),
+                       default=3, help="timed repeats; the median counts")
+    bench.add_argument("--warmup-steps", type=_positive_int("--warmup-steps"),
+                       default=3, help="untimed steps that trace the step")
+    bench.add_argument("--batch-size", type=_positive_int("--batch-size"),
+                       default=64, help="examples per replica per step")
+    bench.add_argument("--timeout", type=_positive_int("--timeout"),
+                       default=1800, help="seconds allowed per replica count")
+    bench.add_argument("--json", metavar="PATH",
+                       help="write the results as JSON here ('-': stdout, "
+                            "instead of the table)")
+    bench.add_argument("--plot", metavar="PNG",
+                       help="write a chart of throughput and efficiency")
+    bench.set_defaults(subparser=bench)
+    bench.add_argument("--_child", action="store_true", help=argparse.SUPPRESS)
+    bench.add_argument("--_out", help=argparse.SUPPRESS)
+    bench.add_argument("--_policies", help=argparse.SUPPRESS)
+    return parser
+
+
+# --- TensorFlow's import noise ---------------------------------------------------
+
+
+def quiet_tensorflow() -> None:
+    """Imports TensorFlow without its load-time log lines, unless you chose a level.
+
+    TensorFlow's C++ libraries print INFO lines (oneDNN, "Could not find
+    cuda drivers", cpu_feature_guard) and absl's "All log messages before
+    absl::InitializeLog()" banner while `import tensorflow` loads them,
+    before any setting is read. When `TF_CPP_MIN_LOG_LEVEL` is unset and
+    TensorFlow is not imported yet, this sets `TF_CPP_MIN_LOG_LEVEL=3` (for
+    this process and the processes it starts, such as
+    `keras_mgpu.launcher`'s workers), imports TensorFlow with file
+    descriptor 2 captured, and writes every captured line back to stderr
+    except those INFO lines and the banner. If the import fails, everything
+    captured is written back and the error is raised.
+
+    When `TF_CPP_MIN_LOG_LEVEL` is set, even to `0`, it does nothing: your
+    setting wins, and TensorFlow prints what it prints.
+
+    Example:
+
+    >>> quiet_tensorflow()  # doctest: +SKIP
+    >>> import tensorflow as tf  # doctest: +SKIP
+    """
+    if "TF_CPP_MIN_LOG_LEVEL" in os.environ or "tensorflow" in sys.modules:
+        return
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:
+        # No stderr to capture (e.g. closed by a daemon): nothing to quiet.
+        import tensorflow  # noqa: F401
+        return
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            import tensorflow  # noqa: F401
+        except BaseException:
+            _restore_stderr(saved)
+            _write_back(captured, keep=lambda line: True)
+            raise
+        _restore_stderr(saved)
+        _write_back(captured,
+                    keep=lambda line: not _IMPORT_NOISE.match(line))
+
+
+def _restore_stderr(saved: int) -> None:
+    # Python-level writes made during the import sit in sys.stderr's buffer
+    # and belong in the capture, before the lines that follow it.
+    try:
+        sys.stderr.flush()
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _write_back(captured, keep: Callable[[str], bool]) -> None:
+    captured.seek(0)
+    text = captured.read().decode("utf-8", errors="replace")
+    lines = [line for line in text.splitlines(keepends=True) if keep(line)]
+    if lines:
+        sys.stderr.write("".join(lines))
+        sys.stderr.flush()
+
+
+# --- The command -----------------------------------------------------------------
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Runs `keras-mgpu` with `argv`; returns the exit code.
+
+    The arguments are checked before TensorFlow is imported, so `--help` and
+    a bad value answer at once; then `quiet_tensorflow()` imports it and
+    `keras_mgpu.cli` runs the command.
+
+    Args:
+        argv: Defaults to `None`, the command line (`sys.argv[1:]`).
+
+    Returns:
+        0 when the command succeeded, 1 when `doctor` found an error or
+        `bench` failed. Argument errors exit with 2 (`SystemExit`), as
+        argparse does.
+
+    Example:
+
+    >>> main(["bench", "--replicas", "0"])  # doctest: +SKIP
+    usage: keras-mgpu bench ...
+    keras-mgpu bench: error: argument --replicas: --replicas: 0 is out of \
+range; each value must be from 1 to 64.
+    """
+    args = build_parser().parse_args(argv)
+    quiet_tensorflow()
+    from keras_mgpu import cli
+
+    return cli.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
