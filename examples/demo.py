@@ -23,6 +23,7 @@ import os
 import shutil
 import sys
 import time
+import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -122,6 +123,9 @@ def run(workdir: str, epochs: int, trials: int) -> dict:
     say(f"Training {epochs} epochs ({units} hidden units, 2 micro-batches "
         "per step); press Ctrl-C and run the demo again to resume...")
     start = time.perf_counter()
+    # The TFRecord dataset's length is unknown until its first epoch ends,
+    # where Keras warns that the input "ran out of data": expected here.
+    warnings.filterwarnings("ignore", "Your input ran out of data")
     # shuffle=False: Keras 3.15 warns that its default shuffle=True does
     # not apply to a dataset (this one keeps its order, for exact resume).
     model.fit(train, epochs=epochs, verbose=0, shuffle=False,
