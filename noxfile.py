@@ -36,8 +36,8 @@ CRITICAL = [
 
 # Within those files, tests whose outcome does not depend on the Keras or
 # TensorFlow version (the backup's own file checks and disk faults), and the
-# single-process variants of the kill-and-resume test (its multi-worker and
-# accumulated variants stay): the newest pair's full suite runs them.
+# single-process variants of the kill-and-resume tests (the multi-worker
+# ones, plain and accumulated, stay): the newest pair's full suite runs them.
 NOT_VERSION_SENSITIVE = [
     "tests/test_runtime.py::"
     "test_killed_run_resumes_exactly_with_continuous_logs[default-plain]",
@@ -45,6 +45,10 @@ NOT_VERSION_SENSITIVE = [
     "test_killed_run_resumes_exactly_with_continuous_logs[default-accumulated]",
     "tests/test_runtime.py::"
     "test_killed_run_resumes_exactly_with_continuous_logs[mirrored-plain]",
+    "tests/test_runtime.py::"
+    "test_killed_run_resumes_exactly_with_continuous_logs[mirrored-accumulated]",
+    "tests/test_backup_and_restore.py::"
+    "test_sigkill_at_several_steps_resumes_exactly",
     "tests/test_backup_and_restore.py::test_every_kind_of_damage_is_detected",
     "tests/test_backup_and_restore.py::"
     "test_a_save_to_a_full_backup_dir_stops_clearly_and_keeps_the_last",
