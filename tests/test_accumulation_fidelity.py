@@ -242,6 +242,7 @@ def mixed_mlp(batch_norm=False):
     return seeded(keras.Sequential(layers))
 
 
+@pytest.mark.gpu
 def test_mixed_precision_with_and_without_batch_norm(mixed_float16,
                                                      tmp_path):
     """GradientAccumulator's test_mixed_precision and test_mp_batch_norm:

@@ -25,6 +25,7 @@ def loss_scaled(strategy, data, initial_scale=2.0 ** 15, growth_steps=2000):
     return train(strategy, data, accum_steps=4, optimizer=optimizer)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("policy", ["mixed_float16"], indirect=True)
 @pytest.mark.parametrize("replicas", [1, 2])
 def test_overflow_drops_the_whole_window(policy, replicas):
@@ -85,6 +86,7 @@ def test_mixed_policies_track_the_float32_run(policy):
         tolerance * max(moved, 1.0)
 
 
+@pytest.mark.gpu
 def test_the_loss_scale_stops_at_its_floor():
     """160 overflowing windows would halve the scale from 4 to 0; the next
     finite window would then divide a zero gradient by it (NaN weights)."""

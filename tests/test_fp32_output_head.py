@@ -43,6 +43,7 @@ def huge_logit_data(units=CLASSES):
     return x, kernel
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("policy", POLICIES, indirect=True)
 @pytest.mark.parametrize("activation", ["softmax", "sigmoid", None])
 def test_output_is_float32_under_every_policy(policy, activation):
@@ -53,6 +54,7 @@ def test_output_is_float32_under_every_policy(policy, activation):
     assert keras.backend.standardize_dtype(out.dtype) == "float32"
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("policy", POLICIES, indirect=True)
 def test_float32_matmul_runs_the_dense_in_float32(policy):
     model = head_model(float32_matmul=True)
@@ -61,6 +63,7 @@ def test_float32_matmul_runs_the_dense_in_float32(policy):
     assert model.outputs[0].dtype == "float32"
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("policy", ["mixed_float16"], indirect=True)
 @pytest.mark.parametrize("loss,activation,labels", [
     ("sparse_categorical_crossentropy", "softmax", [0, 1, 2, 1]),
@@ -111,6 +114,7 @@ def test_overflowing_logits_give_finite_loss_and_float32_gradients(
         np.testing.assert_allclose(g, ref.numpy(), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("policy", ["mixed_float16"], indirect=True)
 def test_plain_float16_softmax_head_gets_clipped_loss_where_head_does_not(
         policy):
@@ -138,6 +142,7 @@ def test_plain_float16_softmax_head_gets_clipped_loss_where_head_does_not(
     np.testing.assert_allclose(headed_loss, true_loss, rtol=1e-5)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("policy", ["mixed_float16"], indirect=True)
 def test_fit_step_matches_float32_reference(policy):
     """One fit step under a LossScaleOptimizer equals the float32 step."""
@@ -159,6 +164,7 @@ def test_fit_step_matches_float32_reference(policy):
         np.testing.assert_allclose(w, ref, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("policy", POLICIES, indirect=True)
 def test_predict_returns_probabilities(policy):
     model = head_model()
@@ -172,6 +178,7 @@ def test_predict_returns_probabilities(policy):
     assert np.all((sig > 0) & (sig < 1))
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("replicas", [1, 2])
 def test_nonfinite_counts_show_in_fit_logs(replicas):
     x = np.random.RandomState(1).randn(16, FEATURES).astype("float32")
@@ -234,6 +241,7 @@ def test_nonfinite_counts_show_in_fit_logs(replicas):
     assert head.nonfinite_counts == {"inputs": 0, "outputs": 0}
 
 
+@pytest.mark.gpu
 def test_monitor_reports_a_head_nested_in_gradient_accumulation():
     # Keras collects no metrics of a model nested in another; the monitor
     # finds the head anyway.

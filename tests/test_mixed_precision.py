@@ -251,6 +251,7 @@ def monitored_fit(strategy, data, accum_steps=None, epochs=1, **monitor_kw):
     return model, monitor, history, seen
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("policy", ["mixed_float16"], indirect=True)
 @pytest.mark.parametrize("replicas", [1, 2])
 def test_monitor_counts_a_skipped_step(policy, replicas):
@@ -268,6 +269,7 @@ def test_monitor_counts_a_skipped_step(policy, replicas):
     assert monitor.skipped_steps_total == 1
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("policy", ["mixed_float16"], indirect=True)
 @pytest.mark.parametrize("replicas", [1, 2])
 def test_monitor_counts_a_skipped_window_once(policy, replicas):
