@@ -27,6 +27,10 @@ CRITICAL = [
     "tests/test_compat.py",
     "tests/test_multi_worker_fit.py",
     "tests/test_accumulation.py",
+    # In-step accumulation: every optimizer, steps_per_execution and XLA,
+    # under MultiWorkerMirroredStrategy against one process.
+    "tests/test_accumulation_in_step.py::"
+    "test_in_step_multi_worker_matches_one_process",
     "tests/test_backup_and_restore.py",
     "tests/test_distributed_logger.py",
     "tests/test_runtime.py",
@@ -49,6 +53,8 @@ NOT_VERSION_SENSITIVE = [
     "test_killed_run_resumes_exactly_with_continuous_logs[mirrored-accumulated]",
     "tests/test_backup_and_restore.py::"
     "test_sigkill_at_several_steps_resumes_exactly",
+    "tests/test_backup_and_restore.py::"
+    "test_sigkill_resumes_in_step_accumulation_exactly",
     "tests/test_backup_and_restore.py::test_every_kind_of_damage_is_detected",
     "tests/test_backup_and_restore.py::"
     "test_a_save_to_a_full_backup_dir_stops_clearly_and_keeps_the_last",
@@ -69,7 +75,7 @@ def _critical(session: nox.Session, pair: str) -> None:
                 "print('testing TensorFlow', tf.__version__, "
                 "'with Keras', keras.__version__)")
     deselected = [f"--deselect={test}" for test in NOT_VERSION_SENSITIVE]
-    session.run("python", "-m", "pytest", "-n", "2", "--dist", "loadfile",
+    session.run("python", "-m", "pytest", "-n", "2", "--dist", "loadgroup",
                 *(session.posargs or [*CRITICAL, *deselected]),
                 env={"TF_CPP_MIN_LOG_LEVEL": "2"})
 

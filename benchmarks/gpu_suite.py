@@ -47,10 +47,13 @@ Parts, in the order they run:
 5. `overheads`, each a ratio of epoch times measured side by side in one
    run (configurations take turns, round by round; each ratio is paired
    within a round, the median over rounds, with the quartiles):
-   `GradientAccumulationModel(accum_steps=4)`, Keras's
-   `gradient_accumulation_steps=4` and plain `fit`; `DistributedLogger` at
-   `update_freq=1` and `100` against no callback; `BackupAndRestore` saving
-   every 100 steps against none.
+   `GradientAccumulationModel(accum_steps=4)` (window mode), the same with
+   `mode="in_step"` (the same samples batched to 4 micro-batches, a
+   quarter of the steps), Keras's `gradient_accumulation_steps=4` and
+   plain `fit`; `DistributedLogger` at `update_freq=1` and `100` against no
+   callback; `BackupAndRestore` saving every 100 steps against none. Every
+   configuration's epoch holds the same micro-batches, so its epoch time
+   (and `step_ms`, per micro-batch) compares with the others'.
 
 Each part runs in its own process: device configuration (logical devices,
 memory statistics) stays per part, and a part is killed when its time
@@ -138,7 +141,8 @@ for the dry run and the GPU run:
          "steps_per_epoch": int, "epochs_per_fit": int,
          "timed_epochs_per_fit": int, "rounds": int, "jit_compile": false,
          "device": str,
-         "configs": [{"name": str, "epoch_s": float, "step_ms": float,
+         "configs": [{"name": str, "epoch_s": float,
+                      "step_ms": float,       # per micro-batch
                       "examples_per_s": float}],
          "ratios": [{"name": str, "of": str, "against": str,
                      "median": float, "q1": float, "q3": float}],
@@ -215,7 +219,8 @@ RESNET_SIZES = {
 RESNET_GPU_INPUT = (224, 224, 3)
 OVERHEAD_SIZES = {
     # Keras's per-step overhead dominates a ~1 ms step: where a callback's
-    # cost shows most.
+    # cost shows most. `steps` is a multiple of ACCUM_STEPS, so in-step
+    # mode's big batches hold every micro-batch.
     "gpu": dict(features=784, width=2048, classes=10, batch_size=256,
                 steps=200, epochs=3, rounds=7),
     # 100 steps per epoch, so that BackupAndRestore(save_freq=100) saves in
@@ -796,7 +801,9 @@ def _md_logical(results: dict) -> list:
 def _md_overheads(results: dict) -> list:
     lines = [f"{results.get('model')} ({results.get('params', 0):,} "
              f"parameters), batch {results.get('batch_size')}, "
-             f"{results.get('steps_per_epoch')} steps per epoch, "
+             f"{results.get('steps_per_epoch')} steps per epoch (in-step "
+             f"mode: one per {ACCUM_STEPS} micro-batches; ms/step is per "
+             "micro-batch), "
              f"{results.get('rounds')} rounds of one fit of "
              f"{results.get('epochs_per_fit')} epochs per configuration "
              f"(first untimed), jit_compile=False, on "
@@ -1295,10 +1302,12 @@ def part_overheads(rec: _Recorder, dry_run: bool, budget_s: float) -> None:
                             f"keras gradient_accumulation_steps={ACCUM_STEPS}",
                             f"GradientAccumulationModel(accum_steps="
                             f"{ACCUM_STEPS})")
+    in_step = (f"GradientAccumulationModel(accum_steps={ACCUM_STEPS}, "
+               "mode='in_step')")
     logger_1, logger_100 = ("DistributedLogger(update_freq=1)",
                             "DistributedLogger(update_freq=100)")
     backup = "BackupAndRestore(save_freq=100)"
-    names = [plain, builtin, ours, logger_1, logger_100, backup]
+    names = [plain, builtin, ours, in_step, logger_1, logger_100, backup]
     root = tempfile.mkdtemp(prefix="overheads_", dir=rec.workdir)
 
     def make_model(name):
@@ -1308,6 +1317,9 @@ def part_overheads(rec: _Recorder, dry_run: bool, budget_s: float) -> None:
             if name == builtin else {}))
         if name == ours:
             model = GradientAccumulationModel(model, accum_steps=ACCUM_STEPS)
+        elif name == in_step:
+            model = GradientAccumulationModel(model, accum_steps=ACCUM_STEPS,
+                                              mode="in_step")
         # jit_compile explicit: "auto" means XLA on a GPU, and an XLA
         # compile of each configuration would cost more than it measures.
         model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(
@@ -1329,6 +1341,10 @@ def part_overheads(rec: _Recorder, dry_run: bool, budget_s: float) -> None:
     y = rng.integers(0, classes, steps * batch).astype(np.int32)
     data = tf.data.Dataset.from_tensor_slices((x, y)).batch(
         batch, drop_remainder=True).cache().prefetch(2)
+    # In-step mode takes the same samples as big batches of ACCUM_STEPS
+    # micro-batches: a quarter of the steps, the same micro-batches.
+    big_data = tf.data.Dataset.from_tensor_slices((x, y)).batch(
+        ACCUM_STEPS * batch, drop_remainder=True).cache().prefetch(2)
     keras.utils.set_random_seed(0)
     models = {name: make_model(name) for name in names}
     # epochs_of[name][r]: the median timed epoch of round r.
@@ -1367,7 +1383,8 @@ def part_overheads(rec: _Recorder, dry_run: bool, budget_s: float) -> None:
                 name = names[(k + round_index) % len(names)]
                 timer = EpochTimer()
                 callbacks = make_callbacks(name, round_index)
-                models[name].fit(data, epochs=epochs, verbose=0,
+                models[name].fit(big_data if name == in_step else data,
+                                 epochs=epochs, verbose=0,
                                  shuffle=False,
                                  callbacks=[timer.start, *callbacks,
                                             timer.stop])
@@ -1388,8 +1405,10 @@ def part_overheads(rec: _Recorder, dry_run: bool, budget_s: float) -> None:
                 for name in names]
             rec.results["ratios"] = [
                 paired(ours, plain), paired(builtin, plain),
-                paired(ours, builtin), paired(logger_1, plain),
-                paired(logger_100, plain), paired(backup, plain)]
+                paired(ours, builtin), paired(in_step, plain),
+                paired(in_step, builtin), paired(in_step, ours),
+                paired(logger_1, plain), paired(logger_100, plain),
+                paired(backup, plain)]
             rec.results["backup"] = {
                 "saves": len(stalls),
                 "stall_ms": (_finite(1000 * statistics.median(stalls))

@@ -12,6 +12,7 @@ from keras_mgpu._checks import is_positive_int
 from keras_mgpu import compat
 
 PARTIAL_WINDOW_MODES = ("apply", "carry", "drop")
+MODES = ("window", "in_step")
 # The loss scale never drops below this under GradientAccumulationModel.
 MIN_LOSS_SCALE = 1.0
 
@@ -19,6 +20,24 @@ MIN_LOSS_SCALE = 1.0
 @keras.saving.register_keras_serializable(package="keras_mgpu")
 class GradientAccumulationModel(keras.Model):
     """Wraps a model so that `fit` takes one optimizer step per N micro-batches.
+
+    Two modes, the same arithmetic:
+
+    | | `mode="window"` (default) | `mode="in_step"` |
+    |---|---|---|
+    | batch the dataset to | the micro-batch | the big batch (N micro-batches) |
+    | one `fit` step is | one micro-batch | one optimizer step |
+    | micro-batches run | one per step, summed in variables | in a loop inside the step |
+    | a short last batch | `partial_window` decides | one smaller, exact step |
+    | metrics and callbacks see | each micro-batch | each big batch |
+    | `jit_compile=True` | one device only | compiles the micro-batch loop, any replica count |
+    | `BatchNormalization(synchronized=True)` | supported | refused |
+
+    In-step mode does less work per micro-batch (no accumulator variables
+    to read and write, one Keras step per N micro-batches) and holds one
+    micro-batch's activations at a time (the loop is not unrolled), plus
+    the gradient sums; window mode keeps the progress bar and callbacks per
+    micro-batch. Both work with `steps_per_execution` on any replica count.
 
     Each optimizer step applies the gradient of the mean loss over every
     sample of the window's `accum_steps` micro-batches on every replica,
@@ -50,7 +69,8 @@ class GradientAccumulationModel(keras.Model):
     replicas resumes exactly on 1 or 4 with the same global batch. They are
     not weights of the model: `weights`, `get_weights`, `count_params` and
     `summary` show the wrapped model's parameters only, as the wrapped model
-    itself would.
+    itself would. In in-step mode a window never outlives its step, so there
+    are no accumulators; the counters are saved as in window mode.
 
     Variables with `overwrite_with_gradient` (the scales and amax histories
     of layers quantized with `model.quantize("float8")`) are handled as
@@ -72,8 +92,8 @@ class GradientAccumulationModel(keras.Model):
     once per micro-batch (N times per optimizer step), as in plain `fit` at
     the micro-batch size and with Keras's `gradient_accumulation_steps`; so
     a model with BatchNormalization does not train exactly as on the big
-    batch. `BatchNormalization(synchronized=True)` computes them over all
-    replicas' micro-batches.
+    batch. In window mode `BatchNormalization(synchronized=True)` computes
+    them over all replicas' micro-batches.
 
     The wrapper has the wrapped model's `output_names`: losses, metrics,
     loss weights and targets keyed by output name work as they do for the
@@ -96,6 +116,12 @@ class GradientAccumulationModel(keras.Model):
             `"carry"`: keep accumulating into the next epoch (and the next
             `fit` call);
             `"drop"`: discard it.
+        mode: Defaults to `"window"`. `"window"`: each dataset batch is a
+            micro-batch; `"in_step"`: each dataset batch is the big batch,
+            split into `accum_steps` micro-batches inside the train step
+            (each replica's share is split; when it does not divide
+            evenly, the first micro-batch is the shorter one).
+            `partial_window` must stay `"apply"` in this mode.
         log_window: Defaults to `False`. Whether `fit` adds the window's
             state to its logs (and so to the progress bar and `History`):
             `grad_norm` (global norm of the gradient of the last applied
@@ -123,6 +149,13 @@ class GradientAccumulationModel(keras.Model):
     2
     >>> model.count_params() == inner.count_params()  # no accumulators
     True
+    >>> inner = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    >>> model = keras_mgpu.GradientAccumulationModel(
+    ...     inner, accum_steps=4, mode="in_step")
+    >>> model.compile(optimizer="sgd", loss="mse")
+    >>> _ = model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    >>> int(model.optimizer.iterations.numpy())  # 2 big batches of 4 x 8
+    2
     """
 
     def __init__(
@@ -131,10 +164,11 @@ class GradientAccumulationModel(keras.Model):
         accum_steps: int = 4,
         partial_window: str = "apply",
         log_window: bool = False,
+        mode: str = "window",
         **kwargs,
     ):
         compat.check_accumulation_support()
-        _validate(model, accum_steps, partial_window)
+        _validate(model, accum_steps, partial_window, mode)
         if not isinstance(log_window, bool):
             raise ValueError(
                 f"log_window must be True or False, got {log_window!r}."
@@ -144,8 +178,10 @@ class GradientAccumulationModel(keras.Model):
         self.accum_steps = accum_steps
         self.partial_window = partial_window
         self.log_window = log_window
+        self.mode = mode
         self._window_state = None
         model._keras_mgpu_wrapper = weakref.ref(self)
+        compat.enable_multi_step_fit()
         if isinstance(
             tf.distribute.get_strategy(), tf.distribute.MultiWorkerMirroredStrategy
         ):
@@ -179,6 +215,8 @@ class GradientAccumulationModel(keras.Model):
 
     def compile(self, optimizer="rmsprop", *args, **kwargs):
         _check_inner_not_compiled(self.inner)
+        if self.mode == "in_step":
+            _check_no_synchronized_batch_norm(self.inner)
         optimizer = keras.optimizers.get(optimizer)
         inner_opt = getattr(optimizer, "inner_optimizer", optimizer)
         if inner_opt.gradient_accumulation_steps:
@@ -190,6 +228,15 @@ class GradientAccumulationModel(keras.Model):
                 "gradient_accumulation_steps from the optimizer."
             )
         super().compile(optimizer, *args, **kwargs)
+        self._loop_jit_compile = False
+        if self.mode == "in_step" and self.jit_compile:
+            # Keras would compile the whole step, cross-device work included,
+            # which XLA cannot do under a strategy: only the replica-local
+            # micro-batch loop is compiled.
+            self._loop_jit_compile = True
+            self.jit_compile = False
+
+    _loop_jit_compile = False
 
     def compile_from_config(self, config):
         # Keras skips this for models that override `compile`; the override
@@ -200,21 +247,8 @@ class GradientAccumulationModel(keras.Model):
 
     def fit(self, *args, callbacks=None, **kwargs):
         _check_inner_not_compiled(self.inner)
-        if (
-            self.steps_per_execution > 1
-            and self.distribute_strategy.num_replicas_in_sync > 1
-        ):
-            raise ValueError(
-                f"steps_per_execution={self.steps_per_execution} does not work "
-                f"with {self.distribute_strategy.num_replicas_in_sync} "
-                "replicas: TensorFlow fails on a conditional cross-replica "
-                "update inside Keras's multi-step loop ('You must feed a value "
-                "for placeholder tensor .../while/cond/Placeholder'), as it "
-                "does for Keras's own LossScaleOptimizer. Compile with "
-                "steps_per_execution=1; accumulation already cuts the "
-                "optimizer and communication work per micro-batch."
-            )
-        callbacks = [_WindowEnd(self)] + list(callbacks or [])
+        if self.mode == "window":
+            callbacks = [_WindowEnd(self)] + list(callbacks or [])
         return super().fit(*args, callbacks=callbacks, **kwargs)
 
     def get_config(self):
@@ -224,6 +258,7 @@ class GradientAccumulationModel(keras.Model):
             "accum_steps": self.accum_steps,
             "partial_window": self.partial_window,
             "log_window": self.log_window,
+            "mode": self.mode,
         }
 
     @classmethod
@@ -257,7 +292,9 @@ class GradientAccumulationModel(keras.Model):
             trainable=False, synchronization="on_read", aggregation="sum"
         )
         accumulators = []
-        for i, (v, o) in enumerate(zip(variables, overwrite)):
+        # In-step mode sums in the step's own tensors.
+        windowed = () if self.mode == "in_step" else variables
+        for i, (v, o) in enumerate(zip(windowed, overwrite)):
             if o:
                 # A running maximum, the same on every replica (maxed over
                 # them each micro-batch), starting below any value.
@@ -328,11 +365,12 @@ class GradientAccumulationModel(keras.Model):
         if len(store.keys()) != len(saved):
             raise ValueError(
                 f"GradientAccumulationModel {self.name!r} expected "
-                f"{len(saved)} window variables (one accumulator per "
-                f"trainable variable of the wrapped model, plus 5), but the "
+                f"{len(saved)} window variables (mode={self.mode!r}: "
+                f"{len(self._accumulators)} accumulators, plus 5), but the "
                 f"file has {len(store.keys())}. Build the wrapper (e.g. "
                 "wrap a built model) before loading, and wrap the same "
-                "architecture."
+                "architecture in the same mode (mode='window' saves one "
+                "accumulator per trainable variable, 'in_step' none)."
             )
         for i, variable in enumerate(saved):
             variable.assign(store[f"{i}"])
@@ -375,6 +413,52 @@ class GradientAccumulationModel(keras.Model):
 
     def train_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        self._check_variables()
+        if not self.optimizer.built:
+            # Without a strategy scope Keras builds the optimizer lazily in
+            # `apply`; the window update needs its variables first.
+            self.optimizer.build(self.trainable_variables)
+        if self.mode == "in_step":
+            return self._in_step_train_step(x, y, sample_weight)
+        grads, loss, y_pred, weight = self._micro_batch(x, y, sample_weight)
+        compat.track_loss(self, loss, tf.cast(weight, tf.int32))
+        context = tf.distribute.get_replica_context()
+        overwrite = self._overwrite_indices
+        if self.accum_steps == 1:
+            # Every micro-batch is a whole window: skip the accumulators.
+            context.merge_call(self._apply_window, args=(grads + [weight],))
+        else:
+            for i in self._regular_indices:
+                self._accumulators[i].assign_add(grads[i])
+            self._sample_count.assign_add(weight)
+            context.merge_call(
+                self._end_micro_step, args=([grads[i] for i in overwrite],))
+        return self._logs(x, y, y_pred, sample_weight)
+
+    def _logs(self, x, y, y_pred, sample_weight):
+        logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        if self.log_window:
+            logs["grad_norm"] = tf.identity(self._grad_norm.value)
+            logs["accum_step"] = tf.identity(self._micro_step.value)
+        return logs
+
+    def _check_variables(self):
+        if tuple(id(v) for v in self.trainable_variables) != (
+                self._accumulated_ids):
+            raise ValueError(
+                "The trainable variables of the wrapped model changed after "
+                "GradientAccumulationModel created its accumulators (e.g. a "
+                "layer's `trainable` flag was flipped). Set `trainable` "
+                "before wrapping the model, then wrap and compile again."
+            )
+
+    def _micro_batch(self, x, y, sample_weight):
+        """Replica-local: one micro-batch's forward and backward pass.
+
+        Returns its gradients as sums over its samples (see below), its
+        loss (as Keras's `_compute_loss` gives it), its predictions and its
+        sample count (float32).
+        """
         batch_size = tf.shape(next(t for t in tf.nest.flatten(x)))[0]
         weight = tf.cast(batch_size, tf.float32)
         loss_scaled = isinstance(
@@ -390,25 +474,17 @@ class GradientAccumulationModel(keras.Model):
         # magnitude of the gradient flowing back, which must not be scaled).
         weight_gradients = loss_scaled or bool(overwrite)
         # Keras divides each replica's loss by the replica count (for a SUM
-        # all-reduce); undone here, so the accumulators hold plain sums of
+        # all-reduce); undone here, so the gradients are plain sums of
         # per-sample gradients: the same global sums on any replica count.
         context = tf.distribute.get_replica_context()
         weight_sum = weight * float(context.num_replicas_in_sync)
+        variables = self.trainable_variables
         with tf.GradientTape() as tape:
             y_pred = self(x, training=True)
             loss = compat.compute_loss(self, x, y, y_pred, sample_weight)
-            compat.track_loss(self, loss, batch_size)
             objective = self.optimizer.scale_loss(loss)
             if not weight_gradients:
                 objective = objective * tf.cast(weight_sum, objective.dtype)
-        variables = self.trainable_variables
-        if tuple(id(v) for v in variables) != self._accumulated_ids:
-            raise ValueError(
-                "The trainable variables of the wrapped model changed after "
-                "GradientAccumulationModel created its accumulators (e.g. a "
-                "layer's `trainable` flag was flipped). Set `trainable` "
-                "before wrapping the model, then wrap and compile again."
-            )
         grads = []
         raw = tape.gradient(objective, variables)
         for i, (g, v) in enumerate(zip(raw, variables)):
@@ -423,24 +499,79 @@ class GradientAccumulationModel(keras.Model):
             if weight_gradients:
                 g = g * tf.cast(weight_sum, dtype)
             grads.append(g)
-        if not self.optimizer.built:
-            # Without a strategy scope Keras builds the optimizer lazily in
-            # `apply`; the window update needs its variables first.
-            self.optimizer.build(variables)
-        if self.accum_steps == 1:
-            # Every micro-batch is a whole window: skip the accumulators.
-            context.merge_call(self._apply_window, args=(grads + [weight],))
-        else:
-            for i in self._regular_indices:
-                self._accumulators[i].assign_add(grads[i])
-            self._sample_count.assign_add(weight)
-            context.merge_call(
-                self._end_micro_step, args=([grads[i] for i in overwrite],))
-        logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-        if self.log_window:
-            logs["grad_norm"] = tf.identity(self._grad_norm.value)
-            logs["accum_step"] = tf.identity(self._micro_step.value)
-        return logs
+        return grads, loss, y_pred, weight
+
+    # --- In-step mode -------------------------------------------------------
+
+    def _in_step_train_step(self, x, y, sample_weight):
+        """Replica-local: the whole window inside one step.
+
+        The replica's share of the big batch is split into `accum_steps`
+        micro-batches (the first takes the remainder when the share does
+        not split evenly), run one after another in a `tf.while_loop`
+        whose carried tensors sum their gradients; then one all-reduce and
+        one optimizer update, as for a window.
+        """
+        loop = self._micro_batch_loop
+        if self._loop_jit_compile:
+            # One per trace, so each replica's trace gets its own.
+            loop = tf.function(loop, jit_compile=True)
+        grads, loss_sum, y_pred, weight = loop(x, y, sample_weight)
+        compat.track_loss(
+            self, loss_sum / tf.maximum(weight, 1.0), tf.cast(weight, tf.int32))
+        tf.distribute.get_replica_context().merge_call(
+            self._apply_window, args=(grads + [weight],))
+        return self._logs(x, y, y_pred, sample_weight)
+
+    def _micro_batch_loop(self, x, y, sample_weight):
+        data = (x, y, sample_weight)
+        batch_size = tf.shape(next(t for t in tf.nest.flatten(x)))[0]
+        size = tf.maximum((batch_size + self.accum_steps - 1)
+                          // self.accum_steps, 1)
+        rest = tf.maximum((batch_size + size - 1) // size - 1, 0)
+        first = batch_size - rest * size
+        # The first micro-batch runs outside the loop: it gives the loop
+        # the predictions' structure, and leaves equal, static-size
+        # micro-batches to the loop (what XLA compiles).
+        grads, loss, y_pred, weight = self._micro_batch(
+            *_map_data(lambda t: t[:first], data))
+        loss_sum = tf.cast(loss, tf.float32) * weight
+        # Never longer than the batch, so that XLA, which compiles even a
+        # loop that will not run, sees a valid slice of an empty share.
+        rows = tf.minimum(size, batch_size)
+        predictions = [
+            tf.TensorArray(p.dtype, size=rest, element_shape=tf.TensorShape(
+                [None]).concatenate(p.shape[1:]))
+            for p in tf.nest.flatten(y_pred)
+        ]
+        overwrite = self._overwrite_indices
+
+        def body(i, grads, loss_sum, predictions):
+            micro = _map_data(
+                lambda t: _rows(t, first + i * size, rows), data)
+            step_grads, loss, step_pred, weight = self._micro_batch(*micro)
+            grads = [
+                tf.maximum(a, g) if j in overwrite else a + g
+                for j, (a, g) in enumerate(zip(grads, step_grads))
+            ]
+            loss_sum += tf.cast(loss, tf.float32) * weight
+            predictions = [
+                array.write(i, p) for array, p in
+                zip(predictions, tf.nest.flatten(step_pred))
+            ]
+            return i + 1, grads, loss_sum, predictions
+
+        _, grads, loss_sum, predictions = tf.while_loop(
+            lambda i, *_: i < rest, body,
+            [tf.constant(0), grads, loss_sum, predictions],
+            # One micro-batch's activations at a time.
+            parallel_iterations=1,
+        )
+        y_pred = tf.nest.pack_sequence_as(y_pred, [
+            tf.concat([p, array.concat()], 0) for p, array in
+            zip(tf.nest.flatten(y_pred), predictions)
+        ])
+        return grads, loss_sum, y_pred, tf.cast(batch_size, tf.float32)
 
     def _end_micro_step(self, strategy, overwrite_grads=()):
         """Cross-replica: count the micro-batch; on the window's last, apply."""
@@ -618,12 +749,34 @@ class _WindowState(tf.Module):
     """Holds the window's variables away from Keras's weight tracking."""
 
 
+def _map_data(fn, data):
+    """`fn` on every tensor of an (x, y, sample_weight) structure."""
+    return tf.nest.map_structure(
+        lambda t: None if t is None else fn(t), data)
+
+
+def _rows(tensor, start, count):
+    """`tensor[start:start + count]`, as a slice of static size under XLA."""
+    rank = tensor.shape.rank
+    return tf.slice(tensor, [start] + [0] * (rank - 1),
+                    [count] + [-1] * (rank - 1))
+
+
 def _accumulator_dtype(dtype) -> str:
     dtype = keras.backend.standardize_dtype(dtype)
     return "float32" if dtype in ("float16", "bfloat16") else dtype
 
 
-def _validate(model, accum_steps, partial_window) -> None:
+def _validate(model, accum_steps, partial_window, mode) -> None:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
+    if mode == "in_step" and partial_window != "apply":
+        raise ValueError(
+            f"partial_window={partial_window!r} applies to mode='window', "
+            "where a window spans several batches. With mode='in_step' each "
+            "batch is a whole window (a short last batch is one smaller, "
+            "exact step): leave partial_window at 'apply'."
+        )
     if not is_positive_int(accum_steps):
         raise ValueError(
             f"accum_steps must be a positive integer, got {accum_steps!r}. "
@@ -655,6 +808,19 @@ def _validate(model, accum_steps, partial_window) -> None:
             "or rebuild the model to wrap it again."
         )
     _check_inner_not_compiled(model)
+
+
+def _check_no_synchronized_batch_norm(model) -> None:
+    for layer in compat.sublayers(model):
+        if isinstance(layer, keras.layers.BatchNormalization) and getattr(
+                layer, "synchronized", False):
+            raise ValueError(
+                f"Layer {layer.name!r} is BatchNormalization(synchronized="
+                "True), which all-reduces its batch statistics: that cannot "
+                "run inside mode='in_step''s replica-local micro-batch loop. "
+                "Use mode='window' (which supports it), or "
+                "synchronized=False."
+            )
 
 
 def _check_inner_not_compiled(model) -> None:

@@ -61,14 +61,15 @@ TESTED_KERAS = VersionRange("3.10.0", "3.15.1")
 # What rests on Keras internals: named in each KerasInternalsError, and all
 # of them in the warning on an untested Keras.
 _MULTI_WORKER_FIX = "the multi-worker fit fix (keras-team/keras#20585)"
+_MULTI_STEP_FIX = "the steps_per_execution fix for several replicas"
 _ACCUMULATION = "GradientAccumulationModel's train step and optimizer hooks"
 _MIXED = "the mixed-precision audit"
 _BACKUP = "BackupAndRestore's resume hooks"
 _TELEMETRY = "the training runtime's sample count"
 _INPUT_WAIT = "the training runtime's input-wait timing"
 _TUNER = "the tuner's learning-rate scaling"
-_WORKAROUNDS = (_MULTI_WORKER_FIX, _ACCUMULATION, _MIXED, _BACKUP,
-                _TELEMETRY, _INPUT_WAIT, _TUNER)
+_WORKAROUNDS = (_MULTI_WORKER_FIX, _MULTI_STEP_FIX, _ACCUMULATION, _MIXED,
+                _BACKUP, _TELEMETRY, _INPUT_WAIT, _TUNER)
 
 
 class KerasInternalsError(RuntimeError):
@@ -259,6 +260,137 @@ def enable_multi_worker_fit() -> bool:
             _maybe_symbolic_build
         )
         _multi_worker_fit_enabled = True
+    return True
+
+
+# --- steps_per_execution on several replicas ---------------------------------
+# Keras's multi-step loop runs each step inside a `tf.cond` on its end-of-data
+# `Optional`, within a `tf.while_loop`; on more than one replica TensorFlow
+# then fails ("You must feed a value for placeholder tensor
+# .../while/cond/Placeholder"), for plain models and for every train step.
+# The loop's own condition already checks that `Optional`, so the step needs
+# no `tf.cond`: the replacement is Keras's loop without it.
+
+_multi_step_fit_enabled = False
+
+
+def multi_step_fit_enabled() -> bool:
+    """Whether `enable_multi_step_fit()` has patched Keras in this process."""
+    return _multi_step_fit_enabled
+
+
+def enable_multi_step_fit() -> bool:
+    """Makes `steps_per_execution > 1` work on more than one replica.
+
+    Replaces the multi-step loop Keras's TensorFlow trainer builds for `fit`
+    and `evaluate` when `steps_per_execution > 1` and the strategy has more
+    than one replica (`MirroredStrategy`, `MultiWorkerMirroredStrategy`),
+    where Keras's own loop fails to run. The replacement runs the same steps
+    in the same order, fetches each batch only when it is about to be
+    trained (no batch skipped or repeated at the end of the data, whether
+    its length is known or not), and ends the epoch together on every worker
+    (the distributed iterator agrees on the end of data). On one replica, or
+    with `steps_per_execution=1`, Keras's own function is used unchanged.
+
+    Applied by `keras_mgpu.auto_strategy()` and `GradientAccumulationModel`,
+    never by `import keras_mgpu`. It is decided by the trainer's shape, not a
+    version: a Keras whose `TensorFlowTrainer._make_function` has another
+    signature gets `KerasInternalsError` here, before any training. It is
+    idempotent.
+
+    Returns:
+        `True`: the patch is active after the call.
+
+    Example:
+
+    >>> from keras_mgpu import compat
+    >>> compat.enable_multi_step_fit()
+    True
+    >>> compat.multi_step_fit_enabled()
+    True
+    """
+    global _multi_step_fit_enabled
+    with _lock:
+        if _multi_step_fit_enabled:
+            return True
+        import tensorflow as tf
+        from keras.src.backend.tensorflow import trainer as tf_trainer
+
+        trainer = tf_trainer.TensorFlowTrainer
+        original = _require(trainer, "_make_function", _MULTI_STEP_FIX,
+                            params=("self", "step_function"))
+        _require(tf_trainer, "reduce_per_replica", _MULTI_STEP_FIX,
+                 params=("values", "strategy", "reduction"))
+
+        def _make_function(self, step_function):
+            strategy = self.distribute_strategy
+            steps = self.steps_per_execution
+            if steps == 1 or strategy.num_replicas_in_sync == 1:
+                return original(self, step_function)
+
+            @tf.autograph.experimental.do_not_convert
+            def one_step_on_data(data):
+                outputs = strategy.run(step_function, args=(data,))
+                # Looked up per call: the multi-worker fix may replace it.
+                return tf_trainer.reduce_per_replica(
+                    outputs, strategy, reduction="auto")
+
+            if not self.run_eagerly:
+                one_step_on_data = tf.function(
+                    one_step_on_data, reduce_retracing=True,
+                    jit_compile=self.jit_compile)
+            # Keras 3.15 turns `Optional` inputs into None; 3.10 has no such
+            # step.
+            autoconvert = getattr(self, "_autoconvert_optionals", None)
+            if autoconvert is not None:
+                one_step_on_data = autoconvert(one_step_on_data)
+
+            @tf.autograph.experimental.do_not_convert
+            def multi_step_on_iterator(iterator):
+                # Its element spec is set while the loop body is traced, as
+                # Keras's own loop does.
+                empty = tf.experimental.Optional.empty(None)
+
+                def cond(step, outputs, next_inputs):
+                    return tf.logical_and(step < steps, next_inputs.has_value())
+
+                def body(step, outputs, next_inputs):
+                    outputs = tf.experimental.Optional.from_value(
+                        one_step_on_data(next_inputs.get_value()))
+                    empty._element_spec = outputs.element_spec
+                    # The last step of a call fetches nothing more, so the
+                    # next call starts on the next batch.
+                    next_inputs = tf.cond(
+                        step + 1 < steps,
+                        iterator.get_next_as_optional,
+                        lambda: next_inputs)
+                    return step + 1, outputs, next_inputs
+
+                _, outputs, _ = tf.while_loop(
+                    cond, body,
+                    [tf.constant(0), empty, iterator.get_next_as_optional()])
+                outputs._element_spec = empty.element_spec
+                return outputs
+
+            if not self.run_eagerly:
+                multi_step_on_iterator = tf.function(
+                    multi_step_on_iterator, reduce_retracing=True)
+
+            def function(iterator):
+                if isinstance(iterator, (tf.data.Iterator,
+                                         tf.distribute.DistributedIterator)):
+                    optional_outputs = multi_step_on_iterator(iterator)
+                    if not optional_outputs.has_value():
+                        raise StopIteration
+                    return optional_outputs.get_value()
+                for _, data in zip(range(steps), iterator):
+                    outputs = one_step_on_data(data)
+                return outputs
+
+            return function
+
+        trainer._make_function = _make_function
+        _multi_step_fit_enabled = True
     return True
 
 

@@ -334,7 +334,9 @@ def auto_strategy(
     | otherwise | the default strategy (one device) |
 
     A `MultiWorkerMirroredStrategy` also enables
-    `keras_mgpu.compat.enable_multi_worker_fit()`, so that `model.fit` works.
+    `keras_mgpu.compat.enable_multi_worker_fit()`, so that `model.fit` works,
+    and every strategy enables `keras_mgpu.compat.enable_multi_step_fit()`,
+    so that `compile(steps_per_execution=N)` works on several replicas.
 
     Args:
         virtual_cpus: Defaults to `None`. If set, split the host CPU into this
@@ -377,7 +379,10 @@ def auto_strategy(
             f"startup_timeout must be a positive number of seconds or None "
             f"(wait without limit), got {startup_timeout!r}."
         )
+    from keras_mgpu import compat
+
     info = cluster_info()
+    compat.enable_multi_step_fit()
     num_gpus = len(tf.config.list_physical_devices("GPU"))
     kind = strategy_kind(info, num_gpus, virtual_cpus, devices)
     if kind == "multi_worker":

@@ -11,7 +11,7 @@ import numpy as np
 
 def train(backup_dir, preset="preemptible", save_freq=4, accum_steps=None,
           epochs=3, steps=8, hold_write_of=None, report_held_at=None,
-          pause_at=None, virtual_cpus=None, **overrides):
+          pause_at=None, virtual_cpus=None, mode="window", **overrides):
     import keras_mgpu
 
     strategy = keras_mgpu.auto_strategy(virtual_cpus=virtual_cpus)
@@ -57,7 +57,7 @@ def train(backup_dir, preset="preemptible", save_freq=4, accum_steps=None,
         model = inner
         if accum_steps:
             model = keras_mgpu.GradientAccumulationModel(
-                inner, accum_steps=accum_steps)
+                inner, accum_steps=accum_steps, mode=mode)
         model.compile(keras.optimizers.Adam(0.01), "mse")
 
     epoch_step = [0]

@@ -80,6 +80,21 @@ def test_sigkill_at_several_steps_resumes_exactly(run_workers, uninterrupted,
     assert not backup_dir.exists(), "a finished run deletes its backups"
 
 
+def test_sigkill_resumes_in_step_accumulation_exactly(run_workers,
+                                                      uninterrupted, tmp_path):
+    # Each batch of 16 split into micro-batches of 4, 6 and 6, with dropout:
+    # the resumed run draws the same masks.
+    kwargs = {"accum_steps": 3, "mode": "in_step"}
+    full = uninterrupted(tmp_path, **kwargs)
+    backup_dir = tmp_path / "backup"
+    for kill_at in (5, 13):
+        results = run(run_workers, backup_dir, kill_at=kill_at, **kwargs)
+        assert results[0].killed and results[0].returncode == -signal.SIGKILL
+    resumed = run(run_workers, backup_dir, **kwargs)[0]
+    assert resumed.result["iterations"] == full["iterations"] == 24
+    assert max_diff(resumed.result["weights"], full["weights"]) <= 1e-6
+
+
 class CrashAt13(keras.callbacks.Callback):
     """Raises after the 13th optimizer step: mid-epoch 2 of fit_24_steps."""
 

@@ -359,3 +359,52 @@ def test_a_weights_layout_reads_into_the_arrays_of_an_earlier_read(
             compat.weights_file(second)).items():
         if values is not None:
             np.testing.assert_array_equal(values, now[name][0], err_msg=name)
+
+
+# --- steps_per_execution on several replicas --------------------------------
+
+
+@pytest.mark.parametrize("unknown_length", [False, True])
+def test_steps_per_execution_on_two_replicas_matches_one(unknown_length):
+    """Plain `fit` and `evaluate` with steps_per_execution=4 on 2 replicas
+    (Keras's own loop fails there) against 1 replica, one step per call, on
+    13 batches per epoch: the last call of an epoch has 1 batch left."""
+    compat.enable_multi_step_fit()
+    results = {}
+    for replicas, steps in ((1, 1), (2, 4)):
+        x, y = workers.regression_data(100)
+        dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+        if unknown_length and replicas > 1:
+            # (Keras's own one-step function trains one empty step more per
+            # epoch on such data, so the reference has a known length.)
+            dataset = dataset.filter(lambda x, y: True)
+        with mirrored(replicas).scope():
+            model = workers.build_mlp()
+            model.compile(keras.optimizers.Adam(0.01), "mse", metrics=["mae"],
+                          steps_per_execution=steps)
+        history = model.fit(dataset, epochs=2, verbose=0, shuffle=False)
+        results[replicas] = (
+            [w.numpy() for w in model.trainable_variables],
+            int(model.optimizer.iterations.numpy()),
+            history.history,
+            model.evaluate(dataset, verbose=0),
+        )
+    (w1, it1, h1, e1), (w2, it2, h2, e2) = results[1], results[2]
+    assert it1 == it2 == 26
+    assert max(float(np.abs(a - b).max()) for a, b in zip(w1, w2)) < 1e-5
+    for key in h1:
+        np.testing.assert_allclose(h2[key], h1[key], rtol=1e-5)
+    np.testing.assert_allclose(e2, e1, rtol=1e-5)
+
+
+def test_multi_step_fix_refuses_a_changed_trainer(monkeypatch):
+    from keras.src.backend.tensorflow import trainer as tf_trainer
+
+    monkeypatch.setattr(compat, "_multi_step_fit_enabled", False)
+    monkeypatch.setattr(tf_trainer.TensorFlowTrainer, "_make_function",
+                        lambda self, step, jit=None: None)
+    with pytest.raises(compat.KerasInternalsError,
+                       match=r"TensorFlowTrainer._make_function.*steps_per_"
+                             r"execution fix"):
+        compat.enable_multi_step_fit()
+    assert not compat.multi_step_fit_enabled()

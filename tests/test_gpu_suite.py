@@ -208,6 +208,8 @@ def test_dry_run_overhead_ratios(dry_run):
     names = [c["name"] for c in results["configs"]]
     assert names == ["plain fit", "keras gradient_accumulation_steps=4",
                      "GradientAccumulationModel(accum_steps=4)",
+                     "GradientAccumulationModel(accum_steps=4, "
+                     "mode='in_step')",
                      "DistributedLogger(update_freq=1)",
                      "DistributedLogger(update_freq=100)",
                      "BackupAndRestore(save_freq=100)"]
@@ -216,7 +218,9 @@ def test_dry_run_overhead_ratios(dry_run):
     pairs = [(r["of"], r["against"]) for r in results["ratios"]]
     assert pairs == [(names[2], names[0]), (names[1], names[0]),
                      (names[2], names[1]), (names[3], names[0]),
-                     (names[4], names[0]), (names[5], names[0])]
+                     (names[3], names[1]), (names[3], names[2]),
+                     (names[4], names[0]), (names[5], names[0]),
+                     (names[6], names[0])]
     for r in results["ratios"]:
         assert positive(r["median"]) and r["q1"] <= r["median"] <= r["q3"]
     # Each timed epoch of the backup configuration held a save.

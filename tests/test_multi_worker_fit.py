@@ -65,11 +65,14 @@ def test_stock_keras_multi_worker_fit_still_needs_the_workaround(run_workers):
 def test_multi_worker_fit_on_a_newer_keras_works_and_warns_once(run_workers):
     """A Keras release past the tested range (simulated: 3.16.0) still gets
     the fix: the workaround is decided by the trainer's shape, not a version
-    range. One warning per worker names the version; no PerReplica error."""
+    range. One warning per worker names the version; no PerReplica error.
+    `steps_per_execution=4` on data of unknown length ends each epoch on
+    both workers together, with no batch skipped or repeated."""
     results = run_workers(workers.multi_worker_fit_as_keras,
                           kwargs={"version": "3.16.0"})
     single = workers.fit_small_model(mirrored(1))
     accumulated = workers.accumulation_run(mirrored(2))
+    multi_step = workers.fit_small_model(mirrored(1), global_batch=24)
     for r in results:
         assert r.result["plain"]["iterations"] == 12
         assert_weights_close(r.result["plain"]["weights"], single["weights"],
@@ -77,6 +80,12 @@ def test_multi_worker_fit_on_a_newer_keras_works_and_warns_once(run_workers):
         assert r.result["accumulated"]["iterations"] == 6
         assert_weights_close(r.result["accumulated"]["weights"],
                              accumulated["weights"], 1e-5)
+        assert r.result["multi_step"]["iterations"] == 18
+        assert multi_step["iterations"] == 18
+        assert_weights_close(r.result["multi_step"]["weights"],
+                             multi_step["weights"], 1e-5)
+        np.testing.assert_allclose(r.result["multi_step"]["loss"],
+                                   multi_step["loss"], rtol=1e-5)
         [warning] = r.result["untested_warnings"]
         assert "Keras 3.16.0 is installed" in warning
         assert "keras-team/keras#20585" in warning

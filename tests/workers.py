@@ -37,18 +37,39 @@ def build_mlp():
     return model
 
 
-def fit_small_model(strategy, global_batch=32, epochs=3, optimizer="adam"):
+def optimizers():
+    """The accumulation tests' optimizers by name, each a factory."""
+    import keras
+
+    return {
+        "sgd_momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+        "adam": lambda: keras.optimizers.Adam(0.01),
+        "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1),
+        "adam_clipnorm": lambda: keras.optimizers.Adam(0.01, clipnorm=0.05),
+        "adam_global_clipnorm": lambda: keras.optimizers.Adam(
+            0.01, global_clipnorm=0.1),
+        "sgd_schedule": lambda: keras.optimizers.SGD(
+            keras.optimizers.schedules.PiecewiseConstantDecay(
+                [2, 4], [0.2, 0.05, 0.01])),
+    }
+
+
+def fit_small_model(strategy, global_batch=32, epochs=3, optimizer="adam",
+                    steps_per_execution=1, unknown_length=False):
     """Trains `build_mlp` on `regression_data`; returns weights and history."""
     import keras
     import tensorflow as tf
 
     x, y = regression_data()
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch)
+    if unknown_length:
+        dataset = dataset.filter(lambda x, y: True)
     with strategy.scope():
         model = build_mlp()
         opt = {"adam": lambda: keras.optimizers.Adam(0.01),
                "sgd": lambda: keras.optimizers.SGD(0.1, momentum=0.9)}
-        model.compile(opt[optimizer](), "mse", metrics=["mae"])
+        model.compile(opt[optimizer](), "mse", metrics=["mae"],
+                      steps_per_execution=steps_per_execution)
     history = model.fit(dataset, epochs=epochs, verbose=0, shuffle=False)
     evaluation = model.evaluate(dataset, verbose=0, return_dict=True)
     predictions = model.predict(dataset, verbose=0)
@@ -162,6 +183,47 @@ def multi_worker_accumulation():
     return accumulation_run(keras_mgpu.auto_strategy())
 
 
+def in_step_runs(strategy, reference=False):
+    """`mode="in_step"` fits over 5 big batches of 32 and one of 20, for
+    each optimizer and for steps_per_execution / jit_compile on Adam with
+    global clipping; `reference=True`: plain `fit` on the same batches."""
+    import keras
+    import tensorflow as tf
+
+    from keras_mgpu import GradientAccumulationModel
+
+    x, y = regression_data(180)
+    configs = {name: (name, {}) for name in optimizers()}
+    for steps, jit in ((4, False), (1, True), (4, True)):
+        configs[f"spe{steps}-jit{jit}"] = (
+            "adam_global_clipnorm",
+            {"steps_per_execution": steps, "jit_compile": jit})
+    runs = {}
+    for name, (optimizer, compile_kwargs) in configs.items():
+        dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(32)
+        with strategy.scope():
+            model = build_mlp()
+            if not reference:
+                model = GradientAccumulationModel(model, accum_steps=4,
+                                                  mode="in_step")
+            model.compile(optimizers()[optimizer](), "mse",
+                          **({} if reference else compile_kwargs))
+        model.fit(dataset, epochs=2, verbose=0, shuffle=False)
+        runs[name] = {
+            "weights": [w.numpy().tolist()
+                        for w in model.trainable_variables],
+            "iterations": int(model.optimizer.iterations.numpy()),
+        }
+    return runs
+
+
+def multi_worker_in_step():
+    """Worker entry point: `in_step_runs` under auto_strategy()."""
+    import keras_mgpu
+
+    return in_step_runs(keras_mgpu.auto_strategy())
+
+
 def multi_worker_fp32_head():
     """Worker entry point: a model with FP32OutputHead under auto_strategy()."""
     import keras_mgpu
@@ -198,11 +260,17 @@ def multi_worker_fit_as_keras(version):
         strategy = keras_mgpu.auto_strategy()
         plain = fit_small_model(strategy)
         accumulated = accumulation_run(strategy)
+        # 6 batches per epoch, the last short, of unknown number: the
+        # data ends inside the second call of each epoch.
+        multi_step = fit_small_model(strategy, global_batch=24,
+                                     steps_per_execution=4,
+                                     unknown_length=True)
     from keras_mgpu import compat
 
     return {
         "plain": plain,
         "accumulated": accumulated,
+        "multi_step": multi_step,
         "untested_warnings": [
             str(w.message) for w in caught
             if issubclass(w.category, compat.UntestedKerasWarning)
