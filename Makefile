@@ -26,7 +26,7 @@ demo: $(VENV)/.installed-demo-$(ID)
 	$(PY) examples/demo.py $(DEMO_ARGS)
 
 test: $(VENV)/.installed-test-$(ID)
-	$(PY) -m pytest -n 2 --dist loadgroup $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 --dist loadfile $(PYTEST_ARGS)
 
 # The distribution-critical tests on the oldest and newest supported
 # TensorFlow/Keras pairs (noxfile.py); NOX_ARGS="-s oldest" runs one.

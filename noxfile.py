@@ -46,10 +46,6 @@ NOT_VERSION_SENSITIVE = [
     "tests/test_runtime.py::"
     "test_killed_run_resumes_exactly_with_continuous_logs[default-plain]",
     "tests/test_runtime.py::"
-    "test_killed_run_resumes_exactly_with_continuous_logs[default-accumulated]",
-    "tests/test_runtime.py::"
-    "test_killed_run_resumes_exactly_with_continuous_logs[mirrored-plain]",
-    "tests/test_runtime.py::"
     "test_killed_run_resumes_exactly_with_continuous_logs[mirrored-accumulated]",
     "tests/test_backup_and_restore.py::"
     "test_sigkill_at_several_steps_resumes_exactly",
@@ -57,12 +53,22 @@ NOT_VERSION_SENSITIVE = [
     "test_sigkill_resumes_in_step_accumulation_exactly",
     "tests/test_backup_and_restore.py::test_every_kind_of_damage_is_detected",
     "tests/test_backup_and_restore.py::"
+    "test_keep_bounds_generations_and_success_deletes",
+    "tests/test_backup_and_restore.py::"
     "test_a_save_to_a_full_backup_dir_stops_clearly_and_keeps_the_last",
     "tests/test_backup_and_restore.py::"
     "test_pruning_and_cleanup_never_follow_links",
     "tests/test_backup_and_restore.py::test_unwritable_backup_dir",
     "tests/test_backup_and_restore.py::"
     "test_saves_and_restores_without_a_usable_tmpdir",
+] + [
+    # The exactness of each optimizer stays checked on 2 replicas; 1 and 4
+    # run the same internals.
+    "tests/test_accumulation.py::"
+    f"test_accumulated_step_equals_big_batch_step[{optimizer}-{replicas}]"
+    for optimizer in ("adam", "adam_clipnorm", "adam_global_clipnorm",
+                      "adamw", "sgd_momentum", "sgd_schedule")
+    for replicas in (1, 4)
 ]
 
 
@@ -75,7 +81,7 @@ def _critical(session: nox.Session, pair: str) -> None:
                 "print('testing TensorFlow', tf.__version__, "
                 "'with Keras', keras.__version__)")
     deselected = [f"--deselect={test}" for test in NOT_VERSION_SENSITIVE]
-    session.run("python", "-m", "pytest", "-n", "2", "--dist", "loadgroup",
+    session.run("python", "-m", "pytest", "-n", "2", "--dist", "loadfile",
                 *(session.posargs or [*CRITICAL, *deselected]),
                 env={"TF_CPP_MIN_LOG_LEVEL": "2"})
 

@@ -58,16 +58,3 @@ def run_workers():
 
     return run
 
-
-# Files whose module-scoped fixtures are whole training runs (uninterrupted
-# references, the GPU suite's dry run, a TensorBoard server): each runs on
-# one xdist worker (`--dist loadgroup`), so those fixtures run once; every
-# other test goes to whichever worker is free.
-_ONE_WORKER_FILES = ("test_backup_and_restore.py", "test_gpu_suite.py",
-                     "test_runtime.py", "test_tensorboard_http.py")
-
-
-def pytest_collection_modifyitems(items):
-    for item in items:
-        if item.path.name in _ONE_WORKER_FILES:
-            item.add_marker(pytest.mark.xdist_group(item.path.stem))

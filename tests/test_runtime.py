@@ -132,9 +132,14 @@ def check_records(records, full_records, saved_steps):
         assert record["examples"] == record["steps"] * rw.GLOBAL_BATCH
 
 
-@pytest.mark.parametrize("accumulate", [False, True],
-                         ids=["plain", "accumulated"])
-@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+@pytest.mark.parametrize("strategy, accumulate", [
+    # One device plain, mirrored accumulated, and both under two workers
+    # (one device accumulated: tests/test_backup_and_restore.py's
+    # test_sigkill_at_several_steps_resumes_exactly).
+    ("default", False), ("mirrored", True),
+    ("multi_worker", False), ("multi_worker", True),
+], ids=["default-plain", "mirrored-accumulated", "multi_worker-plain",
+        "multi_worker-accumulated"])
 def test_killed_run_resumes_exactly_with_continuous_logs(
         uninterrupted, tmp_path, strategy, accumulate):
     full, full_records = uninterrupted(strategy, accumulate)
