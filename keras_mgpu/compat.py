@@ -68,8 +68,9 @@ _BACKUP = "BackupAndRestore's resume hooks"
 _TELEMETRY = "the training runtime's sample count"
 _INPUT_WAIT = "the training runtime's input-wait timing"
 _TUNER = "the tuner's learning-rate scaling"
+_TUNER_STATE = "the tuner's oracle-state fix (KerasTuner's ongoing trials)"
 _WORKAROUNDS = (_MULTI_WORKER_FIX, _MULTI_STEP_FIX, _ACCUMULATION, _MIXED,
-                _BACKUP, _TELEMETRY, _INPUT_WAIT, _TUNER)
+                _BACKUP, _TELEMETRY, _INPUT_WAIT, _TUNER, _TUNER_STATE)
 
 
 class KerasInternalsError(RuntimeError):
@@ -836,6 +837,18 @@ def learning_rate_schedule(optimizer):
     return None
 
 
+def learning_rate_callable(optimizer):
+    """The optimizer's learning rate when it is a plain callable (a
+    function, neither a number nor a schedule), else None."""
+    rate = _require(optimizer, "_learning_rate", _TUNER)
+    if callable(rate) and not isinstance(
+        rate,
+        (keras.optimizers.schedules.LearningRateSchedule, keras.Variable),
+    ):
+        return rate
+    return None
+
+
 def tuner_and_trial(callbacks):
     """(tuner, trial) from the callbacks KerasTuner passes to `fit`, or None.
 
@@ -865,6 +878,66 @@ def tuner_and_trial(callbacks):
                 "StrategyAwareHyperModel."
             )
     return None
+
+
+# --- KerasTuner's oracle state (keras_mgpu.tuner) -----------------------------
+# KerasTuner 1.4.8's `Oracle.end_trial` saves `oracle.json` before it takes
+# the ended trial out of `ongoing_trials`, and nothing saves the oracle after
+# the last trial ends, so the file of a finished search still lists a trial
+# as ongoing. `Oracle.reload` sends every ongoing trial of the file for a
+# retry (`_retry_queue`): a rerun of the project trains that finished trial
+# again. `tests/test_compat.py` shows whether the installed KerasTuner still
+# saves in that order.
+
+_tuner_state_fix_enabled = False
+
+
+def enable_tuner_state_fix() -> bool:
+    """Keeps ended trials out of KerasTuner's retries, and out of its file.
+
+    Wraps two methods of `keras_tuner.Oracle` (every oracle, the chief's of
+    a parallel search too): `reload` no longer queues for a retry a trial
+    that had ended (COMPLETED or FAILED) although the file listed it as
+    ongoing, and `create_trial` saves the oracle when it answers STOPPED,
+    so the file of a finished search lists no ongoing trial. A trial
+    interrupted while running (RUNNING) or invalid is still retried. Right
+    with or without the KerasTuner ordering, so applied whatever its
+    version. Idempotent.
+
+    Returns:
+        Whether this call applied it (False if it already was).
+    """
+    global _tuner_state_fix_enabled
+    import keras_tuner
+
+    with _lock:
+        if _tuner_state_fix_enabled:
+            return False
+        oracle_class = keras_tuner.Oracle
+        reload = _require(oracle_class, "reload", _TUNER_STATE)
+        create_trial = _require(oracle_class, "create_trial", _TUNER_STATE)
+        status = keras_tuner.engine.trial.TrialStatus
+        ended = (status.COMPLETED, status.FAILED)
+
+        @functools.wraps(reload)
+        def reload_without_ended_trials(self):
+            reload(self)
+            queue = _require(self, "_retry_queue", _TUNER_STATE)
+            queue[:] = [trial_id for trial_id in queue
+                        if self.trials[trial_id].status not in ended]
+
+        def create_trial_saved_when_stopped(self, tuner_id):
+            trial = create_trial(self, tuner_id)
+            if trial.status == status.STOPPED:
+                self.save()
+            return trial
+
+        oracle_class.reload = reload_without_ended_trials
+        # Under the oracle's own lock, as KerasTuner's create_trial is.
+        oracle_class.create_trial = keras_tuner.synchronized(
+            create_trial_saved_when_stopped)
+        _tuner_state_fix_enabled = True
+        return True
 
 
 # --- Input wait (keras_mgpu.runtime, for DistributedLogger) ------------------

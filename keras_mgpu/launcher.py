@@ -45,7 +45,10 @@ class WorkerResult:
         result: The JSON value it reported, or `None`.
         stdout: Everything it printed.
         stderr: Everything it printed to stderr.
-        killed: Whether the launcher killed it on request.
+        killed: Whether the launcher ended it on request: killed on
+            `kill_when_printed`, or stopped because the workers killed then
+            had exited (a requested kill ends the cluster, as a failure
+            does).
     """
 
     index: int
@@ -186,6 +189,9 @@ def run_local_workers(
         kill_when_printed: Defaults to `None`. When any worker prints a line
             containing this non-empty text to stdout, send `kill_signal` to
             the workers in `kill_workers`: a simulated crash or preemption.
+            Once those have exited, the others are stopped within seconds,
+            as after a failure (they would wait for the killed ones), and
+            reported as killed too.
         kill_workers: Defaults to `None`, all workers. Worker indices, from
             0 to `num_workers - 1`; only with `kill_when_printed`.
         kill_signal: Defaults to `signal.SIGKILL`. A signal number this
@@ -384,11 +390,17 @@ def _wait(procs, files, timeout, marker, to_kill, kill_signal):
         codes = [p.poll() for p in procs]
         if all(c is not None for c in codes):
             return killed
-        if any(c not in (None, 0) for i, c in enumerate(codes)
-               if i not in killed):
-            # One worker died: the others would wait for it in a collective
-            # until the timeout, so stop them now.
+        failed = any(c not in (None, 0) for i, c in enumerate(codes)
+                     if i not in killed)
+        # A worker that died, or every one killed on request, leaves the
+        # others waiting for it (in a collective, or a tuning chief for its
+        # trial) until the timeout: stop them now. The ones a requested kill
+        # stops count as killed on request.
+        kill_done = bool(killed) and all(codes[i] is not None for i in killed)
+        if failed or kill_done:
             time.sleep(2.0)
+            if not failed:
+                killed |= {i for i, p in enumerate(procs) if p.poll() is None}
             _kill_all(procs)
             return killed
         if marker is not None and not killed:

@@ -35,8 +35,9 @@ except ImportError as e:  # pragma: no cover - exercised in a test by hiding it
 import keras
 import tensorflow as tf
 
-from keras_mgpu._checks import is_positive_int
+from keras_mgpu._checks import is_positive_integer
 from keras_mgpu import compat
+from keras_mgpu import data as data_lib
 from keras_mgpu import launcher
 from keras_mgpu import strategy as strategy_lib
 from keras_mgpu.accumulation import GradientAccumulationModel
@@ -181,10 +182,12 @@ class StrategyAwareHyperModel(keras_tuner.HyperModel):
                 f"{list(LR_SCALING_RULES)} ('linear': lr = base * ratio, "
                 "'sqrt': lr = base * sqrt(ratio), None: no scaling)."
             )
-        _check_choices("per_replica_batch_size", per_replica_batch_size)
-        _check_choices("accum_steps", accum_steps)
+        per_replica_batch_size = _choices(
+            "per_replica_batch_size", per_replica_batch_size)
+        accum_steps = _choices("accum_steps", accum_steps)
         if reference_batch_size is not None:
-            _check_positive_int("reference_batch_size", reference_batch_size)
+            reference_batch_size = _positive_int(
+                "reference_batch_size", reference_batch_size)
         if precision is not None:
             for name in _as_list(precision):
                 if name not in _PRECISIONS:
@@ -193,7 +196,7 @@ class StrategyAwareHyperModel(keras_tuner.HyperModel):
                         f"{list(_PRECISIONS)}."
                     )
         if backup is not False and backup != "epoch":
-            _check_positive_int("backup", backup)
+            backup = _positive_int("backup", backup)
         self.build_fn = build_fn
         self.per_replica_batch_size = per_replica_batch_size
         self.lr_scaling = lr_scaling
@@ -204,6 +207,8 @@ class StrategyAwareHyperModel(keras_tuner.HyperModel):
         self.rebatch = bool(rebatch)
         self.backup = backup
         self._executions = {}
+        # Every process of a search builds its hypermodel, the chief too.
+        compat.enable_tuner_state_fix()
 
     # --- hyperparameters ----------------------------------------------------
 
@@ -227,7 +232,13 @@ class StrategyAwareHyperModel(keras_tuner.HyperModel):
     # --- build --------------------------------------------------------------
 
     def build(self, hp) -> keras.Model:
-        """Builds one trial's model: precision, `build_fn`, accumulation, LR."""
+        """Builds one trial's model: precision, `build_fn`, accumulation, LR.
+
+        The learning rate is scaled here whenever the scale is known without
+        the data (always with the default `reference_batch_size`), so a
+        model rebuilt for a finished trial, as `get_best_models()` does, is
+        compiled with the rate the trial trained with on this strategy.
+        """
         self._per_replica_batch(hp)  # Declared first: stable search space.
         accum_steps = self._accum_steps(hp)
         policy = self._declared(hp, PRECISION_HP, self.precision)
@@ -235,12 +246,7 @@ class StrategyAwareHyperModel(keras_tuner.HyperModel):
         if policy is not None:
             keras.mixed_precision.set_global_policy(policy)
         try:
-            model = self.build_fn(hp)
-            if not isinstance(model, keras.Model):
-                raise keras_tuner.errors.FatalTypeError(
-                    f"build_fn must return a compiled keras.Model, got "
-                    f"{type(model).__name__}."
-                )
+            model = _check_compiled(self.build_fn(hp))
             model = _maybe_accumulate(model, accum_steps)
         finally:
             # Layers captured the policy when they were created; restoring it
@@ -257,50 +263,52 @@ class StrategyAwareHyperModel(keras_tuner.HyperModel):
                     "sampling='log') and pass it to the optimizer, or pass "
                     "learning_rate_hp='<your hp name>', or lr_scaling=None."
                 )
-            if model.optimizer is None:
-                raise keras_tuner.errors.FatalValueError(
-                    "build_fn returned a model that is not compiled; "
-                    f"lr_scaling={self.lr_scaling!r} needs its optimizer. "
-                    "Compile the model in build_fn."
-                )
-            # Global batch unknown until `fit` sees the data when the
-            # per-replica batch comes from it: scaled there, again, then.
-            batch = self._per_replica_batch(hp)
-            if batch is not None:
-                _set_learning_rate(
-                    model, hp.get(self.learning_rate_hp),
-                    self._effective(hp, model, batch)["effective/lr_scale"],
-                )
+            # Unknown only with a reference batch and a per-replica batch
+            # that comes from the data: then `fit` scales.
+            scale = self._lr_scale(model, self._per_replica_batch(hp))
+            _set_learning_rate(model, hp.get(self.learning_rate_hp), scale)
         return model
 
-    def _effective(self, hp, model, per_replica: int) -> dict:
+    def _lr_scale(self, model, per_replica: Optional[int]) -> Optional[float]:
         replicas = strategy_lib.num_replicas(model.distribute_strategy)
-        accum = (
-            model.accum_steps
-            if isinstance(model, GradientAccumulationModel) else 1
-        )
+        accum = _accum_steps_of(model)
+        if self.reference_batch_size is None:
+            # The reference is the per-replica batch itself.
+            ratio = replicas * accum
+        elif per_replica is None:
+            return None
+        else:
+            ratio = per_replica * replicas * accum / self.reference_batch_size
+        return {"linear": ratio, "sqrt": math.sqrt(ratio), None: 1.0}[
+            self.lr_scaling
+        ]
+
+    def _effective(self, model, per_replica: int) -> dict:
+        accum = _accum_steps_of(model)
         global_batch = strategy_lib.global_batch_size(
             per_replica, model.distribute_strategy
         )
-        effective = global_batch * accum
-        reference = self.reference_batch_size or per_replica
-        ratio = effective / reference
-        scale = {"linear": ratio, "sqrt": math.sqrt(ratio), None: 1.0}[
-            self.lr_scaling
-        ]
         return {
-            "effective/replicas": replicas,
+            "effective/replicas": strategy_lib.num_replicas(
+                model.distribute_strategy),
             "effective/per_replica_batch_size": per_replica,
             "effective/global_batch_size": global_batch,
             "effective/accum_steps": accum,
-            "effective/batch_size": effective,
-            "effective/lr_scale": scale,
+            "effective/batch_size": global_batch * accum,
+            "effective/lr_scale": self._lr_scale(model, per_replica),
         }
 
     # --- fit ----------------------------------------------------------------
 
     def fit(self, hp, model, *args, **kwargs):
         """Trains one trial: global batch, scaled LR, per-trial backup.
+
+        A per-replica batch that neither the constructor nor `build_fn`
+        gives (it comes from `search`'s `batch_size`, the data, or the
+        default) is declared as the trial's `per_replica_batch_size`
+        hyperparameter (`hp.Fixed`), as KerasTuner lets `HyperModel.fit`
+        declare hyperparameters: the trial records it, rebuilding the trial
+        knows it, and later trials of the project use it.
 
         Args:
             hp: The trial's `HyperParameters`.
@@ -315,26 +323,34 @@ class StrategyAwareHyperModel(keras_tuner.HyperModel):
         args = list(args)
         x = args[0] if args else kwargs.get("x")
         user_batch = kwargs.pop("batch_size", None)
-        per_replica = self._per_replica_batch(hp)
-        if per_replica is not None and user_batch is not None and (
-            user_batch != per_replica
+        if user_batch is not None:
+            user_batch = _positive_int("search(batch_size=...)", user_batch)
+        declared = self._per_replica_batch(hp)
+        if declared is not None and user_batch is not None and (
+            user_batch != declared
         ):
             raise keras_tuner.errors.FatalValueError(
                 f"search(batch_size={user_batch}) conflicts with the trial's "
-                f"per-replica batch size {per_replica}. Pass one of them: "
-                "batch_size to search() is per replica."
+                f"per-replica batch size {declared} (the "
+                f"{PER_REPLICA_BATCH_HP!r} hyperparameter: given to "
+                "StrategyAwareHyperModel, declared by build_fn, or recorded "
+                "by this project's earlier trials). Pass one of them: "
+                "batch_size to search() is per replica; or start a new "
+                "project (overwrite=True) to change it."
             )
         replicas = strategy_lib.num_replicas(model.distribute_strategy)
-        if per_replica is None:
-            per_replica = user_batch
-        if isinstance(x, tf.data.Dataset):
-            if self.rebatch and per_replica is None:
-                per_replica = _dataset_batch(x, replicas, None)
-            elif not self.rebatch:
-                per_replica = _dataset_batch(x, replicas, per_replica)
+        per_replica = declared if declared is not None else user_batch
+        if isinstance(x, tf.data.Dataset) and (
+            per_replica is None or not self.rebatch
+        ):
+            per_replica = _dataset_batch(
+                x, replicas, None if self.rebatch else per_replica
+            )
         if per_replica is None:
             per_replica = _DEFAULT_BATCH
-        info = self._effective(hp, model, per_replica)
+        if declared is None:
+            hp.Fixed(PER_REPLICA_BATCH_HP, per_replica)
+        info = self._effective(model, per_replica)
         global_batch = info["effective/global_batch_size"]
         info["effective/learning_rate"] = self._apply_learning_rate(
             hp, model, info["effective/lr_scale"]
@@ -342,7 +358,7 @@ class StrategyAwareHyperModel(keras_tuner.HyperModel):
 
         if isinstance(x, tf.data.Dataset):
             if self.rebatch:
-                x = x.rebatch(global_batch)
+                x = data_lib.rebatch(x, global_batch)
             if args:
                 args[0] = x
             else:
@@ -352,7 +368,9 @@ class StrategyAwareHyperModel(keras_tuner.HyperModel):
         validation = kwargs.get("validation_data")
         if isinstance(validation, tf.data.Dataset):
             if self.rebatch:
-                kwargs["validation_data"] = validation.rebatch(global_batch)
+                kwargs["validation_data"] = data_lib.rebatch(
+                    validation, global_batch
+                )
         elif validation is not None:
             kwargs.setdefault("validation_batch_size", global_batch)
 
@@ -394,21 +412,56 @@ class StrategyAwareHyperModel(keras_tuner.HyperModel):
         return BackupAndRestore(directory, save_freq=self.backup, keep=2)
 
 
-def _set_learning_rate(model, base, scale: float) -> None:
+def _accum_steps_of(model) -> int:
+    if isinstance(model, GradientAccumulationModel):
+        return model.accum_steps
+    return 1
+
+
+def _check_compiled(model):
+    if not isinstance(model, keras.Model):
+        raise keras_tuner.errors.FatalTypeError(
+            f"build_fn must return a compiled keras.Model, got "
+            f"{type(model).__name__}."
+        )
+    if getattr(model, "optimizer", None) is None:
+        raise keras_tuner.errors.FatalValueError(
+            f"build_fn must return a compiled keras.Model, but it returned an "
+            f"uncompiled {type(model).__name__}. Call model.compile(optimizer, "
+            "loss, ...) in build_fn before returning the model: each trial "
+            "trains it with fit, and the hypermodel scales its optimizer's "
+            "learning rate."
+        )
+    return model
+
+
+def _set_learning_rate(model, base, scale: Optional[float]) -> None:
     optimizer = model.optimizer
     # A LossScaleOptimizer forwards to its inner optimizer.
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     current = compat.learning_rate_schedule(inner)
+    rate = compat.learning_rate_callable(inner)
+    if rate is not None:
+        raise keras_tuner.errors.FatalValueError(
+            f"The optimizer's learning rate is a {type(rate).__name__} "
+            f"({rate!r}), which keras-mgpu cannot scale to the trial's batch. "
+            "Give the optimizer the base rate as a float "
+            "(hp.Float('learning_rate', ...)) or a "
+            "keras.optimizers.schedules.LearningRateSchedule built from it, "
+            "or pass lr_scaling=None to keep the rate build_fn set."
+        )
+    if scale is None:
+        return
     if isinstance(current, ScaledSchedule):
         current.scale = float(scale)
-    elif isinstance(current, keras.optimizers.schedules.LearningRateSchedule):
+    elif current is not None:
         inner.learning_rate = ScaledSchedule(current, scale)
     else:
         inner.learning_rate = float(base) * float(scale)
 
 
 def _current_learning_rate(model) -> Optional[float]:
-    optimizer = model.optimizer
+    optimizer = getattr(model, "optimizer", None)
     if optimizer is None:
         return None
     inner = getattr(optimizer, "inner_optimizer", optimizer)
@@ -430,12 +483,6 @@ def _maybe_accumulate(model, accum_steps: Optional[int]):
         return model
     if accum_steps is None or accum_steps == 1:
         return model
-    if model.optimizer is None:
-        raise keras_tuner.errors.FatalValueError(
-            f"accum_steps={accum_steps} needs a compiled model from build_fn "
-            "(the wrapper is compiled with the model's compile arguments). "
-            "Compile the model in build_fn."
-        )
     compile_args = keras.saving.deserialize_keras_object(
         model.get_compile_config()
     )
@@ -459,25 +506,18 @@ def _maybe_accumulate(model, accum_steps: Optional[int]):
 
 
 def _dataset_batch(dataset, replicas: int, per_replica: Optional[int]) -> int:
-    """The per-replica batch of an already batched dataset used as it is."""
-    batch = tf.nest.flatten(dataset.element_spec)[0].shape
-    batch = batch[0] if batch.rank else None
-    if batch is None:
-        raise keras_tuner.errors.FatalValueError(
-            "rebatch=False uses the tf.data input as batched, but its batch "
-            "size is not static. Batch it with drop_remainder=True, or pass "
-            "rebatch=True (the default) to re-batch it to each trial's "
-            "global batch."
-        )
+    """The per-replica batch of a batched dataset: `per_replica` checked
+    against it (used as batched), or read from it (`None`)."""
+    batch = data_lib.batch_size_of(dataset)
     if per_replica is None:
         if batch % replicas:
             raise keras_tuner.errors.FatalValueError(
                 f"The tf.data input's batch of {batch} does not split evenly "
                 f"over {replicas} replicas. Batch it to a multiple of "
-                f"{replicas}, or pass per_replica_batch_size and rebatch=True."
+                f"{replicas}, or pass per_replica_batch_size."
             )
         return batch // replicas
-    if batch % per_replica or batch != per_replica * replicas:
+    if batch != per_replica * replicas:
         raise keras_tuner.errors.FatalValueError(
             f"per_replica_batch_size={per_replica} with {replicas} replicas "
             f"needs a global batch of {per_replica * replicas}, but the "
@@ -494,19 +534,23 @@ def _as_list(value) -> list:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-def _check_positive_int(name: str, value) -> None:
-    if not is_positive_int(value):
+def _positive_int(name: str, value) -> int:
+    """`value` as an int (NumPy integers too), or a `ValueError` naming it."""
+    if not is_positive_integer(value):
         raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+    return int(value)
 
 
-def _check_choices(name: str, value) -> None:
+def _choices(name: str, value):
+    """`None`, an int, or a list of ints (to tune): checked and converted,
+    as KerasTuner stores choices as plain Python values."""
     if value is None:
-        return
-    values = _as_list(value)
-    if not values:
+        return None
+    if not isinstance(value, (list, tuple)):
+        return _positive_int(name, value)
+    if not value:
         raise ValueError(f"{name} must not be an empty list.")
-    for v in values:
-        _check_positive_int(name, v)
+    return [_positive_int(name, v) for v in value]
 
 
 # --- Launcher -----------------------------------------------------------------
@@ -548,9 +592,9 @@ def plan_workers(
      ('tuner2', '4,5'), ('tuner3', '6,7')]
     """
     devices = [str(d) for d in devices]
-    _check_positive_int("devices_per_trial", devices_per_trial)
+    devices_per_trial = _positive_int("devices_per_trial", devices_per_trial)
     if num_workers is not None:
-        _check_positive_int("num_workers", num_workers)
+        num_workers = _positive_int("num_workers", num_workers)
     if devices:
         if len(devices) % devices_per_trial:
             raise ValueError(

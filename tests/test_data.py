@@ -533,3 +533,91 @@ def test_unwritable_inputs_are_refused_before_writing(tmp_path, make, error,
     with pytest.raises(error, match=match):
         data.write_tfrecords(make(), target)
     assert_nothing_left(tmp_path, target)
+
+
+# --- re-batching a batched dataset ------------------------------------------------
+
+
+def _ids(samples, batch, drop_remainder=False):
+    return tf.data.Dataset.range(samples).batch(batch,
+                                                drop_remainder=drop_remainder)
+
+
+@pytest.mark.parametrize("samples,batch,new,drop_remainder", [
+    (64, 5, 8, False),    # last batch 4, so counted: 8 batches of 8
+    (60, 8, 8, False),    # same size, last batch 4: 8 batches, last 4
+    (61, 7, 16, False),   # 4 batches, last 13
+    (64, 16, 5, True),    # static batch: 13 batches, last 4, not counted
+    (3, 2, 4, False),     # fewer samples than one new batch
+])
+def test_rebatch_keeps_every_sample_and_a_known_length(samples, batch, new,
+                                                      drop_remainder):
+    source = _ids(samples, batch, drop_remainder)
+    kept = [int(i) for b in source for i in b]
+    again = data.rebatch(source, new)
+    sizes = [int(b.shape[0]) for b in again]
+    assert int(again.cardinality()) == len(sizes) == -(-len(kept) // new)
+    assert sizes[:-1] == [new] * (len(sizes) - 1) and 0 < sizes[-1] <= new
+    assert [int(i) for b in again for i in b] == kept
+    # Every epoch alike (the count is taken once, not consumed).
+    assert [int(i) for b in again for i in b] == kept
+
+
+def test_rebatch_of_an_infinite_dataset_stays_infinite():
+    again = data.rebatch(_ids(10, 3).repeat(), 4)
+    assert int(again.cardinality()) == tf.data.INFINITE_CARDINALITY
+    assert [int(b.shape[0]) for b in again.take(3)] == [4, 4, 4]
+
+
+def test_rebatch_of_unknown_length_warns_once_per_dataset():
+    source = _ids(20, 5).filter(lambda b: True)
+    with pytest.warns(data.UnknownLengthWarning,
+                      match=r"extra, empty optimizer step.*assert_cardinality"):
+        again = data.rebatch(source, 8)
+    assert int(again.cardinality()) == tf.data.UNKNOWN_CARDINALITY
+    assert [int(b.shape[0]) for b in again] == [8, 8, 4]
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        data.rebatch(source, 4)
+    # With the length asserted first, it is kept.
+    known = source.apply(tf.data.experimental.assert_cardinality(4))
+    assert int(data.rebatch(known, 8).cardinality()) == 3
+
+
+def test_batch_size_of_static_and_read_from_the_first_batch():
+    assert data.batch_size_of(_ids(64, 16, drop_remainder=True)) == 16
+    ragged_end = _ids(61, 16).prefetch(2)
+    assert ragged_end.element_spec.shape[0] is None
+    assert data.batch_size_of(ragged_end) == 16
+    pairs = tf.data.Dataset.from_tensor_slices(
+        ({"a": np.zeros((9, 2))}, np.zeros(9))).batch(4)
+    assert data.batch_size_of(pairs) == 4
+
+
+@pytest.mark.parametrize("call,dataset,error,match", [
+    ("batch_size_of", [1, 2], TypeError, "batched tf.data.Dataset, got list"),
+    ("batch_size_of", tf.data.Dataset.range(4), ValueError,
+     r"elements are scalars.*dataset\.batch\(n\)"),
+    ("batch_size_of", _ids(4, 2).take(0), ValueError, "the dataset is empty"),
+    ("rebatch", tf.data.Dataset.range(4), ValueError, "elements are scalars"),
+])
+def test_rebatch_and_batch_size_of_refuse_what_they_cannot_read(
+        call, dataset, error, match):
+    with pytest.raises(error, match=match):
+        if call == "rebatch":
+            data.rebatch(dataset, 2)
+        else:
+            data.batch_size_of(dataset)
+
+
+@pytest.mark.parametrize("size", [0, -1, 2.5, "8", True])
+def test_rebatch_refuses_a_bad_batch_size(size):
+    with pytest.raises(ValueError, match=f"batch_size must be a positive "
+                                         f"integer, got {size!r}"):
+        data.rebatch(_ids(8, 2), size)
+
+
+def test_rebatch_takes_a_numpy_batch_size():
+    assert int(data.rebatch(_ids(8, 2), np.int64(4)).cardinality()) == 2

@@ -56,6 +56,19 @@ def test_kill_when_printed_kills_requested_workers(run_workers):
     assert [r.returncode for r in results] == [-signal.SIGTERM] * 2
 
 
+def test_a_requested_kill_ends_the_workers_left_waiting(run_workers):
+    # Worker 0 would wait for the killed worker 1 until the timeout (as a
+    # tuning chief waits for its trial): it is stopped as after a failure.
+    results = run_workers(workers.print_on_one_then_sleep, 2,
+                          kwargs={"marker": "READY", "printer": 1,
+                                  "seconds": 600},
+                          kill_when_printed="READY", kill_workers=[1],
+                          timeout=300)
+    assert [r.killed for r in results] == [True, True]
+    assert [r.returncode for r in results] == [-signal.SIGKILL] * 2
+    assert results[0].stdout == "" and "READY" in results[1].stdout
+
+
 def test_bad_targets_are_rejected():
     def local():
         pass

@@ -2,6 +2,7 @@
 
 import contextlib
 import gc
+import hashlib
 import importlib
 import math
 import os
@@ -20,6 +21,7 @@ import pytest
 import tensorflow as tf
 
 from keras_mgpu import GradientAccumulationModel
+from keras_mgpu import compat
 from keras_mgpu import tuner as mgpu_tuner
 from tests import tuner_workers
 from tests.conftest import mirrored
@@ -248,6 +250,204 @@ def test_memory_is_released_across_trials(tmp_path):
     assert rss[-1] - rss[2] < 60, rss
 
 
+class FirstStep(keras.callbacks.Callback):
+    """Records, per fit, the learning rate of its first optimizer step and
+    the optimizer steps it took."""
+
+    def __init__(self, log, trial_id):
+        super().__init__()
+        self.log, self.trial_id = log, trial_id
+
+    def on_train_begin(self, logs=None):
+        self.record = {"trial": self.trial_id, "epochs": 0, "rate": None,
+                       "start": int(self.model.optimizer.iterations.numpy())}
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.record["rate"] is None:
+            optimizer = self.model.optimizer
+            inner = getattr(optimizer, "inner_optimizer", optimizer)
+            self.record["step"] = int(optimizer.iterations.numpy())
+            self.record["rate"] = float(
+                keras.ops.convert_to_numpy(inner.learning_rate))
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.record["epochs"] += 1
+
+    def on_train_end(self, logs=None):
+        self.record["steps"] = (int(self.model.optimizer.iterations.numpy())
+                                - self.record["start"])
+        self.log.append(self.record)
+
+
+def recording(build, log, **kwargs):
+    """A StrategyAwareHyperModel whose fits add a `FirstStep` to `log`."""
+
+    class Recording(mgpu_tuner.StrategyAwareHyperModel):
+        def fit(self, hp, model, *args, callbacks=None, **kw):
+            _, trial = compat.tuner_and_trial(callbacks)
+            callbacks = list(callbacks) + [FirstStep(log, trial.trial_id)]
+            return super().fit(hp, model, *args, callbacks=callbacks, **kw)
+
+    return Recording(build, **kwargs)
+
+
+def rate_at(model, step):
+    """The rate `model`'s optimizer applies at optimizer step `step`."""
+    optimizer = model.optimizer
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    schedule = compat.learning_rate_schedule(inner)
+    if schedule is not None:
+        return float(schedule(step))
+    return float(keras.ops.convert_to_numpy(inner.learning_rate))
+
+
+def adam_model(hp):
+    model = keras.Sequential([keras.Input((tuner_workers.FEATURES,)),
+                              keras.layers.Dense(hp.Choice("units", [4, 8]),
+                                                 activation="tanh"),
+                              keras.layers.Dense(1)])
+    model.compile(keras.optimizers.Adam(
+        hp.Choice("learning_rate", [0.004, 0.008])), "mse")
+    return model
+
+
+def make_tuner(kind, hypermodel, directory):
+    common = dict(objective="loss", directory=directory, seed=7,
+                  distribution_strategy=mirrored(2))
+    if kind == "random":
+        return keras_tuner.RandomSearch(hypermodel, max_trials=3, **common)
+    if kind == "bayesian":
+        return keras_tuner.BayesianOptimization(
+            hypermodel, max_trials=3, num_initial_points=2, **common)
+    if kind == "hyperband":
+        return keras_tuner.Hyperband(hypermodel, max_epochs=3, factor=3,
+                                     hyperband_iterations=1, **common)
+    return keras_tuner.GridSearch(hypermodel, max_trials=4, **common)
+
+
+@pytest.mark.parametrize("kind", ["random", "bayesian", "hyperband", "grid"])
+def test_every_tuner_steps_exactly_and_best_model_keeps_the_trained_rate(
+        tmp_path, kind):
+    # 60 samples batched to 8 without drop_remainder: no static batch size
+    # (the last batch holds 4). The default per-replica batch is read from
+    # it (4 per replica), and each epoch is ceil(60 / 8) = 8 steps: before,
+    # the re-batched dataset had no length and Keras took a 9th, empty one.
+    x, y = tuner_workers.data(60)
+    train = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+    log = []
+    tuner = make_tuner(kind, recording(adam_model, log, accum_steps=[1, 2]),
+                       str(tmp_path))
+    tuner.search(train, epochs=3, verbose=0)
+    completed = {t.trial_id: t for t in _trials(tuner)
+                 if t.status == "COMPLETED"}
+    assert len(completed) >= 2 and len(log) >= len(completed)
+    for record in log:
+        hp = completed[record["trial"]].hyperparameters
+        accum = hp.get("accum_steps")
+        assert hp.get("per_replica_batch_size") == 4
+        assert record["epochs"] >= 1
+        assert record["steps"] == record["epochs"] * 8 // accum, record
+        # Linear scaling: 2 replicas x accum_steps.
+        assert record["rate"] == pytest.approx(
+            hp.get("learning_rate") * 2 * accum, rel=1e-6)
+    best_trial = tuner.oracle.get_best_trials(1)[0]
+    best = tuner.get_best_models(1)[0]
+    trained = [r for r in log if r["trial"] == best_trial.trial_id][0]
+    assert rate_at(best, trained["step"]) == pytest.approx(trained["rate"],
+                                                           rel=1e-6)
+
+
+def _sgd(hp, **kwargs):
+    return keras.optimizers.SGD(hp.Float("learning_rate", 0.01, 0.02),
+                                **kwargs)
+
+
+OPTIMIZERS = {
+    "sgd": _sgd,
+    "sgd_momentum": lambda hp: _sgd(hp, momentum=0.9),
+    "adamw": lambda hp: keras.optimizers.AdamW(
+        hp.Float("learning_rate", 0.001, 0.002), weight_decay=0.01),
+    "schedule": lambda hp: keras.optimizers.SGD(
+        keras.optimizers.schedules.ExponentialDecay(
+            hp.Float("learning_rate", 0.01, 0.02), 4, 0.5)),
+    "adam_mixed_float16": lambda hp: keras.optimizers.Adam(
+        hp.Float("learning_rate", 0.001, 0.002)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_best_model_is_compiled_with_the_rate_its_trial_trained_with(
+        tmp_path, name):
+    def build(hp):
+        model = keras.Sequential([keras.Input((tuner_workers.FEATURES,)),
+                                  keras.layers.Dense(4),
+                                  keras.layers.Dense(1, dtype="float32")])
+        model.compile(OPTIMIZERS[name](hp), "mse")
+        return model
+
+    # The reference batch makes the scale depend on the per-replica batch,
+    # which comes from the data here: (8 per replica x 2) / 4 = 4.
+    log = []
+    hypermodel = recording(
+        build, log, reference_batch_size=4,
+        precision="mixed_float16" if "mixed" in name else None)
+    tuner = keras_tuner.RandomSearch(
+        hypermodel, objective="loss", max_trials=1, seed=3,
+        directory=str(tmp_path), distribution_strategy=mirrored(2))
+    x, y = tuner_workers.data(64)
+    tuner.search(tf.data.Dataset.from_tensor_slices((x, y)).batch(16),
+                 epochs=2, verbose=0)
+    (trained,) = log
+    trial = _trials(tuner)[0]
+    assert trial.hyperparameters.get("per_replica_batch_size") == 8
+    assert _metric(trial, "effective/lr_scale") == 4.0
+    best = tuner.get_best_models(1)[0]
+    if "mixed" in name:
+        assert isinstance(best.optimizer,
+                          keras.optimizers.LossScaleOptimizer)
+    assert trained["step"] == 0
+    if "mixed" not in name:
+        # (Under a loss scale, a step with non-finite gradients is skipped.)
+        assert trained["steps"] == 8
+    assert trained["rate"] == pytest.approx(
+        4 * trial.hyperparameters.get("learning_rate"), rel=1e-6)
+    for step in (0, 4, 8):
+        assert rate_at(best, step) == pytest.approx(
+            4 * trial.hyperparameters.get("learning_rate")
+            * (0.5 ** (step / 4) if name == "schedule" else 1), rel=1e-6)
+    # KerasTuner's documented retraining path builds from the best
+    # hyperparameters: on the same strategy, the same rate.
+    with mirrored(2).scope():
+        rebuilt = tuner.hypermodel.build(tuner.get_best_hyperparameters(1)[0])
+    assert rate_at(rebuilt, 0) == pytest.approx(trained["rate"], rel=1e-6)
+
+
+@pytest.mark.parametrize("pipeline", ["exact", "remainder", "static",
+                                      "shuffled"])
+def test_default_per_replica_batch_reads_any_batched_dataset(tmp_path,
+                                                             pipeline):
+    samples = 60 if pipeline == "remainder" else 64
+    x, y = tuner_workers.data(samples)
+    source = tf.data.Dataset.from_tensor_slices((x, y))
+    train = {
+        "exact": lambda: source.batch(16),
+        "remainder": lambda: source.batch(16),  # last batch 12
+        "static": lambda: source.batch(16, drop_remainder=True),
+        "shuffled": lambda: source.shuffle(64, seed=1).batch(16).prefetch(2),
+    }[pipeline]()
+    log = []
+    tuner = keras_tuner.RandomSearch(
+        recording(tuner_workers.build_model, log), objective="loss",
+        max_trials=1, seed=1, directory=str(tmp_path),
+        distribution_strategy=mirrored(2))
+    tuner.search(train, epochs=3, verbose=0)
+    trial = _trials(tuner)[0]
+    assert trial.status == "COMPLETED", trial.message
+    assert _metric(trial, "effective/per_replica_batch_size") == 8
+    assert trial.hyperparameters.get("per_replica_batch_size") == 8
+    assert log[0]["steps"] == 3 * -(-samples // 16)
+
+
 # --- errors ---------------------------------------------------------------------
 
 
@@ -314,6 +514,84 @@ def test_accumulation_wrapper_from_build_fn_is_kept(tmp_path):
         tuner = keras_tuner.GridSearch(hypermodel, objective="loss",
                                        directory=str(tmp_path))
         tuner.search(np.ones((24, 4)), np.ones((24, 1)), epochs=1, verbose=0)
+
+
+def test_uncompiled_build_fn_is_named_with_the_fix(tmp_path):
+    def build(hp):
+        return keras.Sequential([keras.Input((4,)), keras.layers.Dense(
+            hp.Choice("units", [1, 2]))])
+
+    for lr_scaling in ("linear", None):
+        hypermodel = mgpu_tuner.StrategyAwareHyperModel(
+            build, lr_scaling=lr_scaling)
+        with pytest.raises(keras_tuner.errors.FatalValueError,
+                           match=r"uncompiled Sequential.*model\.compile"):
+            keras_tuner.RandomSearch(hypermodel, objective="loss",
+                                     max_trials=1, directory=str(tmp_path))
+
+
+def test_callable_learning_rate_is_named_with_the_fix(tmp_path):
+    def build(hp):
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        lr = hp.Float("learning_rate", 0.01, 0.1)
+        model.compile(keras.optimizers.SGD(lambda: lr), "mse")
+        return model
+
+    hypermodel = mgpu_tuner.StrategyAwareHyperModel(build)
+    with pytest.raises(keras_tuner.errors.FatalValueError,
+                       match=r"learning rate is a function.*cannot scale.*"
+                             r"LearningRateSchedule.*lr_scaling=None"):
+        keras_tuner.RandomSearch(hypermodel, objective="loss", max_trials=1,
+                                 directory=str(tmp_path))
+    # Unscaled, it is left as build_fn set it.
+    tuner = keras_tuner.RandomSearch(
+        mgpu_tuner.StrategyAwareHyperModel(build, lr_scaling=None),
+        objective="loss", max_trials=1, directory=str(tmp_path),
+        overwrite=True)
+    tuner.search(np.ones((8, 4)), np.ones((8, 1)), epochs=1, verbose=0)
+    assert _trials(tuner)[0].status == "COMPLETED"
+
+
+def test_numpy_integers_are_accepted_as_plain_ints(tmp_path):
+    hypermodel = mgpu_tuner.StrategyAwareHyperModel(
+        tuner_workers.build_model, per_replica_batch_size=np.int64(8),
+        accum_steps=[np.int32(1), np.int64(2)],
+        reference_batch_size=np.int64(16), backup=np.int64(4))
+    assert type(hypermodel.per_replica_batch_size) is int
+    assert [type(a) for a in hypermodel.accum_steps] == [int, int]
+    assert type(hypermodel.reference_batch_size) is int
+    tuner = keras_tuner.GridSearch(hypermodel, objective="loss", max_trials=1,
+                                   directory=str(tmp_path))
+    x, y = tuner_workers.data(32)
+    tuner.search(x, y, batch_size=np.int64(8), epochs=1, verbose=0)
+    trial = _trials(tuner)[0]
+    assert trial.status == "COMPLETED", trial.message
+    assert _metric(trial, "effective/per_replica_batch_size") == 8
+    with pytest.raises(ValueError, match=r"per_replica_batch_size must be a "
+                                         r"positive integer, got np.int64\(0\)"):
+        mgpu_tuner.StrategyAwareHyperModel(tuner_workers.build_model,
+                                           per_replica_batch_size=np.int64(0))
+
+
+def test_tuner_extra_installs_what_every_kerastuner_tuner_imports():
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    def names(distribution, extra):
+        wanted = []
+        for line in metadata.requires(distribution) or []:
+            requirement = Requirement(line)
+            if requirement.marker and requirement.marker.evaluate(
+                    {"extra": extra}):
+                wanted.append(requirement.name.lower())
+        return set(wanted)
+
+    # keras-tuner declares BayesianOptimization's needs as its "bayesian"
+    # extra; keras-mgpu's "tuner" extra must bring them.
+    bayesian = names("keras-tuner", "bayesian")
+    assert {"scipy", "scikit-learn"} <= bayesian
+    assert bayesian <= names("keras-mgpu", "tuner")
 
 
 # --- launcher planning ----------------------------------------------------------
@@ -437,3 +715,42 @@ def test_launch_chief_and_two_workers(tmp_path):
         project_name="parallel")
     assert len(reloaded.oracle.trials) == 4
     assert reloaded.remaining_trials == 0
+
+
+def _checkpoints(directory):
+    found = {}
+    for trial in sorted(os.listdir(directory)):
+        path = os.path.join(directory, trial, "checkpoint.weights.h5")
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                found[trial] = hashlib.sha256(f.read()).hexdigest()
+    return found
+
+
+def test_parallel_reruns_after_a_kill_and_a_finish_redo_no_trial(tmp_path):
+    def search(**kwargs):
+        results = mgpu_tuner.launch(
+            tuner_workers.parallel_search, devices=[], num_workers=1,
+            kwargs={"directory": str(tmp_path), "max_trials": 3, **kwargs},
+            timeout=240, env={"TF_CPP_MIN_LOG_LEVEL": "2"},
+            **({"kill_when_printed": "KILL-ME", "kill_workers": [1]}
+               if kwargs else {}))
+        return results
+
+    # The tuning worker is killed in trial 1: the chief, which would wait
+    # for that trial until the timeout, is stopped too (as after a failure).
+    killed = search(kill_trial="1", kill_epoch=0)
+    assert [r.killed for r in killed] == [True, True]
+    # The rerun resumes trial 1, runs trial 2, and leaves trial 0 alone.
+    chief, worker = [r.result for r in search()]
+    assert worker["trained"] == ["1", "2"]
+    assert chief["end_order"] == ["0", "1", "2"]
+    assert chief["saved_ongoing"] == {}
+    trials = _checkpoints(os.path.join(tmp_path, "parallel"))
+    assert sorted(trials) == ["trial_0", "trial_1", "trial_2"]
+    # A rerun of the finished search trains nothing and rewrites nothing.
+    chief, worker = [r.result for r in search()]
+    assert worker["trained"] == [] and chief["trained"] == []
+    assert chief["end_order"] == ["0", "1", "2"]
+    assert chief["saved_ongoing"] == {}
+    assert _checkpoints(os.path.join(tmp_path, "parallel")) == trials

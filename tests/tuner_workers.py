@@ -122,8 +122,13 @@ def resumable_search(directory, kill_trial=None, kill_epoch=None):
     }
 
 
-def parallel_search(directory, max_trials=4, rendezvous=None):
-    """Worker entry point for `keras_mgpu.tuner.launch`: chief or worker."""
+def parallel_search(directory, max_trials=4, rendezvous=None,
+                    kill_trial=None, kill_epoch=None):
+    """Worker entry point for `keras_mgpu.tuner.launch`: chief or worker.
+
+    Reports the trials this process trained; the chief also the oracle's
+    end order and the ongoing trials its saved state lists.
+    """
     import keras_mgpu
 
     strategy = keras_mgpu.auto_strategy(virtual_cpus=2)
@@ -134,7 +139,7 @@ def parallel_search(directory, max_trials=4, rendezvous=None):
     # Each worker holds its first trial until the other holds one too, so
     # both run some: the test shows trials really ran in parallel processes.
     hypermodel = make_recording_hypermodel(
-        log_path, per_replica_batch_size=4,
+        log_path, kill_trial, kill_epoch, per_replica_batch_size=4,
         rendezvous=None if tuner_id == "chief" else rendezvous)
     tuner = keras_tuner.RandomSearch(
         hypermodel, objective="loss", max_trials=max_trials, seed=5,
@@ -143,8 +148,12 @@ def parallel_search(directory, max_trials=4, rendezvous=None):
     x, y = data(32)
     tuner.search(x, y, epochs=1, verbose=0)
     result = {"tuner_id": tuner_id,
-              "trained": sorted({r["trial"] for r in read_log(log_path)})}
+              "trained": sorted({r["trial"] for r in read_log(log_path)
+                                 if r["pid"] == os.getpid()})}
     if tuner_id == "chief":
+        result["end_order"] = tuner.oracle.end_order
+        with open(os.path.join(directory, "parallel", "oracle.json")) as f:
+            result["saved_ongoing"] = json.load(f)["ongoing_trials"]
         result["trials"] = {
             t.trial_id: {
                 "status": t.status,

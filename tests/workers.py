@@ -157,6 +157,17 @@ def print_then_sleep(marker, seconds):
     return "finished"
 
 
+def print_on_one_then_sleep(marker, printer, seconds):
+    """Worker entry point: worker `printer` prints `marker`; all hold for
+    `seconds`, as a tuning chief waits for its workers."""
+    from keras_mgpu.strategy import worker_index
+
+    if worker_index() == printer:
+        print(marker, flush=True)
+    hold_until_killed(seconds)
+    return "finished"
+
+
 def accumulation_run(strategy):
     """GradientAccumulationModel(accum_steps=4) on 6 micro-batches x 3 epochs."""
     import keras
