@@ -15,8 +15,10 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import os
 import threading
 import warnings
+import weakref
 from typing import Optional
 
 import keras
@@ -891,6 +893,13 @@ def tuner_and_trial(callbacks):
 
 _tuner_state_fix_enabled = False
 
+# Set by `keras_mgpu.tuner.launch` for the chief: the tuner ids of every
+# worker it starts. KerasTuner's chief exits once no tuner it has heard of
+# is left, so a worker that asks for its first trial after the others got
+# STOPPED (on the rerun of a finished search, say) finds it gone.
+TUNER_IDS_ENV = "KERAS_MGPU_TUNER_IDS"
+_expecting = weakref.WeakSet()
+
 
 def enable_tuner_state_fix() -> bool:
     """Keeps ended trials out of KerasTuner's retries, and out of its file.
@@ -900,9 +909,12 @@ def enable_tuner_state_fix() -> bool:
     that had ended (COMPLETED or FAILED) although the file listed it as
     ongoing, and `create_trial` saves the oracle when it answers STOPPED,
     so the file of a finished search lists no ongoing trial. A trial
-    interrupted while running (RUNNING) or invalid is still retried. Right
-    with or without the KerasTuner ordering, so applied whatever its
-    version. Idempotent.
+    interrupted while running (RUNNING) or invalid is still retried. With
+    `KERAS_MGPU_TUNER_IDS` set (`keras_mgpu.tuner.launch` sets it), the
+    oracle counts those tuners as running from its first trial on, so a
+    parallel chief waits until each of them got STOPPED. Right with or
+    without the KerasTuner ordering, so applied whatever its version.
+    Idempotent.
 
     Returns:
         Whether this call applied it (False if it already was).
@@ -927,6 +939,10 @@ def enable_tuner_state_fix() -> bool:
                         if self.trials[trial_id].status not in ended]
 
         def create_trial_saved_when_stopped(self, tuner_id):
+            expected = os.environ.get(TUNER_IDS_ENV)
+            if expected and self not in _expecting:
+                _expecting.add(self)
+                self.tuner_ids.update(expected.split(","))
             trial = create_trial(self, tuner_id)
             if trial.status == status.STOPPED:
                 self.save()

@@ -97,8 +97,14 @@ class StrategyAwareHyperModel(keras_tuner.HyperModel):
       `get_compile_config()`);
     - in `fit`, gives Keras the global batch `per_replica * replicas`:
       `tf.data` input (batched, any batch size) is re-batched with
-      `Dataset.rebatch`, numpy input gets `batch_size=global`; a `batch_size`
-      passed to `search` is per replica;
+      `keras_mgpu.data.rebatch` (every sample kept, `ceil(samples / global)`
+      steps per epoch), numpy input gets `batch_size=global`; a `batch_size`
+      passed to `search` is per replica; a per-replica batch found there
+      (not given by the constructor or `build_fn`) is declared as the
+      trial's `per_replica_batch_size` hyperparameter;
+    - scales the learning rate in `build` for the strategy in scope, so a
+      model rebuilt for a finished trial (`get_best_models()`) is compiled
+      with the rate its trial trained with;
     - adds a `keras_mgpu.callbacks.BackupAndRestore` under
       `<project_dir>/trial_<id>/backup/execution_<k>`, so a trial interrupted
       by a killed search resumes from its last backup when the search is
@@ -109,10 +115,11 @@ class StrategyAwareHyperModel(keras_tuner.HyperModel):
     Args:
         build_fn: `build_fn(hp) -> compiled keras.Model`.
         per_replica_batch_size: Defaults to `None`: the `per_replica_batch_size`
-            hyperparameter if `build_fn` declares it, else the `batch_size`
-            given to `search` (numpy; default 32), else the batch size of
-            the `tf.data` input divided over the replicas. An int fixes it; a
-            list or tuple tunes it as `hp.Choice("per_replica_batch_size")`.
+            hyperparameter if `build_fn` declares it (or an earlier trial
+            recorded it), else the `batch_size` given to `search`, else the
+            batch size of the `tf.data` input (static or not) divided over
+            the replicas, else 32. An int fixes it; a list or tuple tunes it
+            as `hp.Choice("per_replica_batch_size")`.
         lr_scaling: Defaults to `"linear"`. One of `"linear"`, `"sqrt"` or
             `None` (leave the learning rate as `build_fn` set it).
         reference_batch_size: Defaults to `None`: the per-replica batch, so
@@ -566,9 +573,11 @@ def plan_workers(
 ) -> list:
     """Plans the environment of the chief and of each tuning worker.
 
-    The chief (first) holds KerasTuner's oracle and sees no GPU. Worker `i`
-    (tuner id `tuner{i}`) gets device group `i`: `devices_per_trial`
-    consecutive entries of `devices`, as its `CUDA_VISIBLE_DEVICES`.
+    The chief (first) holds KerasTuner's oracle, sees no GPU, and is told
+    the workers' tuner ids (`KERAS_MGPU_TUNER_IDS`), so it waits for each
+    of them before it exits. Worker `i` (tuner id `tuner{i}`) gets device
+    group `i`: `devices_per_trial` consecutive entries of `devices`, as its
+    `CUDA_VISIBLE_DEVICES`.
     Without devices, workers run on the CPU (`CUDA_VISIBLE_DEVICES=-1`).
 
     Args:
@@ -623,10 +632,13 @@ def plan_workers(
         # Trials are independent single-host jobs, not one TF cluster.
         "TF_CONFIG": "{}",
     }
+    tuner_ids = [f"tuner{i}" for i in range(len(groups))]
+    # The chief waits for each of them (compat.enable_tuner_state_fix).
     envs = [{**common, "KERASTUNER_TUNER_ID": "chief",
-             "CUDA_VISIBLE_DEVICES": "-1"}]
-    for i, group in enumerate(groups):
-        envs.append({**common, "KERASTUNER_TUNER_ID": f"tuner{i}",
+             "CUDA_VISIBLE_DEVICES": "-1",
+             compat.TUNER_IDS_ENV: ",".join(tuner_ids)}]
+    for tuner_id, group in zip(tuner_ids, groups):
+        envs.append({**common, "KERASTUNER_TUNER_ID": tuner_id,
                      "CUDA_VISIBLE_DEVICES": group})
     return envs
 

@@ -606,6 +606,8 @@ def test_plan_workers_device_groups():
         "chief", "tuner0", "tuner1", "tuner2", "tuner3"]
     assert all(e["KERASTUNER_ORACLE_PORT"] == "1234" for e in envs)
     assert all(e["TF_CONFIG"] == "{}" for e in envs)
+    # The chief waits for every worker's tuner id.
+    assert envs[0]["KERAS_MGPU_TUNER_IDS"] == "tuner0,tuner1,tuner2,tuner3"
     assert len(mgpu_tuner.plan_workers(gpus, 1, oracle_port=1)) == 9
     assert [e["CUDA_VISIBLE_DEVICES"] for e in mgpu_tuner.plan_workers(
         gpus, 4, num_workers=1, oracle_port=1)] == ["-1", "0,1,2,3"]
@@ -728,9 +730,9 @@ def _checkpoints(directory):
 
 
 def test_parallel_reruns_after_a_kill_and_a_finish_redo_no_trial(tmp_path):
-    def search(**kwargs):
+    def search(num_workers=1, **kwargs):
         results = mgpu_tuner.launch(
-            tuner_workers.parallel_search, devices=[], num_workers=1,
+            tuner_workers.parallel_search, devices=[], num_workers=num_workers,
             kwargs={"directory": str(tmp_path), "max_trials": 3, **kwargs},
             timeout=240, env={"TF_CPP_MIN_LOG_LEVEL": "2"},
             **({"kill_when_printed": "KILL-ME", "kill_workers": [1]}
@@ -749,8 +751,11 @@ def test_parallel_reruns_after_a_kill_and_a_finish_redo_no_trial(tmp_path):
     trials = _checkpoints(os.path.join(tmp_path, "parallel"))
     assert sorted(trials) == ["trial_0", "trial_1", "trial_2"]
     # A rerun of the finished search trains nothing and rewrites nothing.
-    chief, worker = [r.result for r in search()]
-    assert worker["trained"] == [] and chief["trained"] == []
+    # Its first worker is told STOPPED at once: the chief still waits for
+    # the second one, which would otherwise find it gone.
+    chief, *workers = [r.result for r in search(num_workers=2)]
+    assert [w["trained"] for w in workers] == [[], []]
+    assert chief["trained"] == []
     assert chief["end_order"] == ["0", "1", "2"]
     assert chief["saved_ongoing"] == {}
     assert _checkpoints(os.path.join(tmp_path, "parallel")) == trials
