@@ -315,7 +315,9 @@ class StrategyAwareHyperModel(keras_tuner.HyperModel):
         default) is declared as the trial's `per_replica_batch_size`
         hyperparameter (`hp.Fixed`), as KerasTuner lets `HyperModel.fit`
         declare hyperparameters: the trial records it, rebuilding the trial
-        knows it, and later trials of the project use it.
+        knows it, and later trials of the project use it. (Not where the
+        oracle refuses new entries, `allow_new_entries=False`: declare it in
+        the tuner's `hyperparameters` then.)
 
         Args:
             hp: The trial's `HyperParameters`.
@@ -355,7 +357,11 @@ class StrategyAwareHyperModel(keras_tuner.HyperModel):
             )
         if per_replica is None:
             per_replica = _DEFAULT_BATCH
-        if declared is None:
+        callbacks = list(kwargs.pop("callbacks", None) or [])
+        found = compat.tuner_and_trial(callbacks)
+        if declared is None and (
+            found is None or found[0].oracle.allow_new_entries
+        ):
             hp.Fixed(PER_REPLICA_BATCH_HP, per_replica)
         info = self._effective(model, per_replica)
         global_batch = info["effective/global_batch_size"]
@@ -381,8 +387,7 @@ class StrategyAwareHyperModel(keras_tuner.HyperModel):
         elif validation is not None:
             kwargs.setdefault("validation_batch_size", global_batch)
 
-        callbacks = list(kwargs.pop("callbacks", None) or [])
-        backup = self._backup_callback(callbacks)
+        backup = self._backup_callback(found)
         if backup is not None:
             # First: restores the model before other callbacks look at it.
             callbacks.insert(0, backup)
@@ -399,10 +404,9 @@ class StrategyAwareHyperModel(keras_tuner.HyperModel):
                 _set_learning_rate(model, hp.get(self.learning_rate_hp), scale)
             return _current_learning_rate(model)
 
-    def _backup_callback(self, callbacks) -> Optional[BackupAndRestore]:
+    def _backup_callback(self, found) -> Optional[BackupAndRestore]:
         if self.backup is False:
             return None
-        found = compat.tuner_and_trial(callbacks)
         if found is None:
             return None  # Not called by a KerasTuner tuner: nothing to key on.
         tuner, trial = found
@@ -446,7 +450,6 @@ def _set_learning_rate(model, base, scale: Optional[float]) -> None:
     optimizer = model.optimizer
     # A LossScaleOptimizer forwards to its inner optimizer.
     inner = getattr(optimizer, "inner_optimizer", optimizer)
-    current = compat.learning_rate_schedule(inner)
     rate = compat.learning_rate_callable(inner)
     if rate is not None:
         raise keras_tuner.errors.FatalValueError(
@@ -459,6 +462,7 @@ def _set_learning_rate(model, base, scale: Optional[float]) -> None:
         )
     if scale is None:
         return
+    current = compat.learning_rate_schedule(inner)
     if isinstance(current, ScaledSchedule):
         current.scale = float(scale)
     elif current is not None:
@@ -521,7 +525,8 @@ def _dataset_batch(dataset, replicas: int, per_replica: Optional[int]) -> int:
             raise keras_tuner.errors.FatalValueError(
                 f"The tf.data input's batch of {batch} does not split evenly "
                 f"over {replicas} replicas. Batch it to a multiple of "
-                f"{replicas}, or pass per_replica_batch_size."
+                f"{replicas}, or pass per_replica_batch_size (with "
+                "rebatch=True, the default)."
             )
         return batch // replicas
     if batch != per_replica * replicas:

@@ -166,31 +166,6 @@ def test_grid_search_tunes_accumulation_and_precision_numpy(tmp_path):
     assert keras.mixed_precision.global_policy().name == "float32"
 
 
-@pytest.mark.parametrize("kind", ["bayesian", "hyperband"])
-def test_bayesian_and_hyperband_under_mirrored(tmp_path, kind):
-    hypermodel = mgpu_tuner.StrategyAwareHyperModel(
-        tuner_workers.build_model, per_replica_batch_size=8,
-        reference_batch_size=32)
-    common = dict(objective="loss", directory=str(tmp_path),
-                  distribution_strategy=mirrored(2))
-    if kind == "bayesian":
-        tuner = keras_tuner.BayesianOptimization(
-            hypermodel, max_trials=3, num_initial_points=2, seed=2, **common)
-    else:
-        tuner = keras_tuner.Hyperband(
-            hypermodel, max_epochs=2, factor=2, hyperband_iterations=1, seed=2,
-            **common)
-    x, y = tuner_workers.data(64)
-    tuner.search(x, y, epochs=2, verbose=0)
-    trials = [t for t in _trials(tuner) if t.status == "COMPLETED"]
-    assert len(trials) >= 2
-    for trial in trials:
-        # 8 per replica x 2 replicas against the reference batch of 32.
-        assert _metric(trial, "effective/lr_scale") == 0.5
-    best = tuner.get_best_models(1)[0]
-    assert best.predict(x[:4], verbose=0).shape == (4, 1)
-
-
 def test_learning_rate_schedule_is_scaled(tmp_path):
     def build(hp):
         model = keras.Sequential([keras.Input((tuner_workers.FEATURES,)),
@@ -514,6 +489,23 @@ def test_accumulation_wrapper_from_build_fn_is_kept(tmp_path):
         tuner = keras_tuner.GridSearch(hypermodel, objective="loss",
                                        directory=str(tmp_path))
         tuner.search(np.ones((24, 4)), np.ones((24, 1)), epochs=1, verbose=0)
+
+
+def test_an_oracle_refusing_new_entries_gets_no_recorded_batch(tmp_path):
+    space = keras_tuner.HyperParameters()
+    space.Choice("units", [4, 8])
+    space.Float("learning_rate", 1e-3, 1e-2, sampling="log")
+    tuner = keras_tuner.RandomSearch(
+        mgpu_tuner.StrategyAwareHyperModel(tuner_workers.build_model),
+        hyperparameters=space, allow_new_entries=False, objective="loss",
+        max_trials=2, seed=1, directory=str(tmp_path))
+    x, y = tuner_workers.data(32)
+    tuner.search(x, y, batch_size=8, epochs=1, verbose=0)
+    trials = _trials(tuner)
+    assert [t.status for t in trials] == ["COMPLETED"] * 2
+    assert all("per_replica_batch_size" not in t.hyperparameters
+               for t in trials)
+    assert _metric(trials[0], "effective/per_replica_batch_size") == 8
 
 
 def test_uncompiled_build_fn_is_named_with_the_fix(tmp_path):
