@@ -423,6 +423,7 @@ class UnknownLengthWarning(UserWarning):
 # the first batch or count the samples once.
 _FIRST_BATCH = weakref.WeakKeyDictionary()
 _SAMPLES = weakref.WeakKeyDictionary()
+_WARNED_UNKNOWN = weakref.WeakSet()
 
 
 def batch_size_of(dataset: tf.data.Dataset) -> int:
@@ -504,8 +505,8 @@ def rebatch(dataset: tf.data.Dataset, batch_size: int) -> tf.data.Dataset:
     if batches == tf.data.INFINITE_CARDINALITY:
         length = batches
     elif batches == tf.data.UNKNOWN_CARDINALITY:
-        if dataset not in _SAMPLES:
-            _SAMPLES[dataset] = None
+        if dataset not in _WARNED_UNKNOWN:
+            _WARNED_UNKNOWN.add(dataset)
             warnings.warn(
                 f"rebatch: the dataset's number of batches is unknown, so the "
                 f"re-batched one's is too, and Keras 3's fit takes one extra, "
@@ -526,7 +527,7 @@ def _sample_count(dataset, batches: int) -> int:
     static = _static_batch(dataset)
     if static is not None:
         return batches * static
-    if _SAMPLES.get(dataset) is None:
+    if dataset not in _SAMPLES:
         _SAMPLES[dataset] = int(dataset.reduce(
             np.int64(0), lambda count, batch: count + _batch_length(batch)))
     return _SAMPLES[dataset]
