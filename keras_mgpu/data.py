@@ -508,12 +508,12 @@ def rebatch(dataset: tf.data.Dataset, batch_size: int) -> tf.data.Dataset:
         if dataset not in _WARNED_UNKNOWN:
             _WARNED_UNKNOWN.add(dataset)
             warnings.warn(
-                f"rebatch: the dataset's number of batches is unknown, so the "
-                f"re-batched one's is too, and Keras 3's fit takes one extra, "
-                f"empty optimizer step per epoch on it. If you know the "
-                f"number of batches n, apply "
-                f"tf.data.experimental.assert_cardinality(n) to the dataset "
-                f"first.",
+                "rebatch: the dataset's number of batches is unknown, so the "
+                "re-batched one's is too, and Keras 3's fit takes one extra, "
+                "empty optimizer step per epoch on it. If you know the "
+                "number of batches n, apply "
+                "tf.data.experimental.assert_cardinality(n) to the dataset "
+                "first.",
                 UnknownLengthWarning,
                 stacklevel=2,
             )

@@ -256,14 +256,8 @@ class FirstStep(keras.callbacks.Callback):
 
 def recording(build, log, **kwargs):
     """A StrategyAwareHyperModel whose fits add a `FirstStep` to `log`."""
-
-    class Recording(mgpu_tuner.StrategyAwareHyperModel):
-        def fit(self, hp, model, *args, callbacks=None, **kw):
-            _, trial = compat.tuner_and_trial(callbacks)
-            callbacks = list(callbacks) + [FirstStep(log, trial.trial_id)]
-            return super().fit(hp, model, *args, callbacks=callbacks, **kw)
-
-    return Recording(build, **kwargs)
+    return tuner_workers.with_trial_callback(
+        build, lambda trial_id: FirstStep(log, trial_id), **kwargs)
 
 
 def rate_at(model, step):

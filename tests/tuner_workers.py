@@ -55,8 +55,6 @@ def make_recording_hypermodel(log_path, kill_trial=None, kill_epoch=None,
     """
     import keras
 
-    from keras_mgpu import compat
-    from keras_mgpu import tuner as mgpu_tuner
     from tests import workers
 
     pending = [rendezvous] if rendezvous else []
@@ -83,15 +81,27 @@ def make_recording_hypermodel(log_path, kill_trial=None, kill_epoch=None,
             with open(log_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
 
-    class RecordingHyperModel(mgpu_tuner.StrategyAwareHyperModel):
+    def recorder(trial_id):
+        if pending:
+            meet_peers(pending.pop())
+        return Recorder(trial_id)
+
+    return with_trial_callback(build_model, recorder, **kwargs)
+
+
+def with_trial_callback(build_fn, make_callback, **kwargs):
+    """A StrategyAwareHyperModel whose every fit also gets
+    `make_callback(trial_id)` (called as the fit starts)."""
+    from keras_mgpu import compat
+    from keras_mgpu import tuner as mgpu_tuner
+
+    class WithTrialCallback(mgpu_tuner.StrategyAwareHyperModel):
         def fit(self, hp, model, *args, callbacks=None, **kw):
             _, trial = compat.tuner_and_trial(callbacks)
-            if pending:
-                meet_peers(pending.pop())
-            callbacks = list(callbacks) + [Recorder(trial.trial_id)]
+            callbacks = list(callbacks) + [make_callback(trial.trial_id)]
             return super().fit(hp, model, *args, callbacks=callbacks, **kw)
 
-    return RecordingHyperModel(build_model, **kwargs)
+    return WithTrialCallback(build_fn, **kwargs)
 
 
 def read_log(log_path):
