@@ -185,9 +185,9 @@ def test_sigterm_saves_and_exits_with_the_restart_code(
         kill_when_printed="STEP 10;", kill_signal=signal.SIGTERM,
         check=False)
     # The "preemptible" preset's code, one TFJob's ExitCode policy reruns.
-    assert results[0].returncode == list_presets()["preemptible"][
-        "exit_code"] == RESTART_EXIT_CODE
     assert results[0].returncode in RETRIED_EXIT_CODES["tfjob"].codes
+    assert results[0].returncode == RESTART_EXIT_CODE == list_presets()[
+        "preemptible"]["exit_code"]
     assert "SIGTERM received; saved generation 1" in results[0].stderr
     assert backup_and_restore._generations(str(backup_dir)) == [1]
     resumed = run(run_workers, backup_dir, save_freq=1000)[0]
