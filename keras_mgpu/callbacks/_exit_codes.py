@@ -12,9 +12,9 @@ from typing import NamedTuple
 
 # 128 + SIGTERM: what a shell reports for a process SIGTERM ended, what
 # TensorFlow's own preemption handler exits with on Google Cloud
-# (`failure_handling_util.gce_exit_fn`), and the only code that every runner
-# below that reruns by exit code reruns without being told (75, EX_TEMPFAIL,
-# is a permanent failure for a TFJob).
+# (`failure_handling_util.gce_exit_fn`), and, of the codes every runner below
+# that reruns by exit code reruns without being told (130, 137, 138, 143),
+# the one that says what happened (75, EX_TEMPFAIL, fails a TFJob for good).
 RESTART_EXIT_CODE = 143
 
 _NONZERO = frozenset(range(1, 256))
