@@ -30,6 +30,13 @@ from typing import Callable, Optional, Sequence
 MODELS = ("resnet", "mlp")
 PRECISIONS = ("float32", "mixed", "mixed_bfloat16", "mixed_float16")
 MAX_REPLICAS = 64
+# Upper bounds of bench's counts, far beyond any useful run: a larger value
+# would otherwise reach TensorFlow or the OS and fail there (OverflowError
+# in a child process) after the earlier replica counts had run.
+MAX_STEPS = 1_000_000  # --steps, --warmup-steps, --accum
+MAX_REPEATS = 1_000
+MAX_BATCH_SIZE = 1_048_576
+MAX_TIMEOUT = 7 * 24 * 3600
 # Feature (the pip extra of the same name) -> the display names of the
 # packages it needs (keys of `keras_mgpu._doctor.OPTIONAL_PACKAGES`).
 FEATURES = {
@@ -134,7 +141,7 @@ def _list_type(parse: Callable[..., list], *args) -> Callable[[str], list]:
     return parse_arg
 
 
-def _positive_int(what: str) -> Callable[[str], int]:
+def _positive_int(what: str, high: int) -> Callable[[str], int]:
     def parse_arg(text: str) -> int:
         try:
             value = int(text)
@@ -143,9 +150,58 @@ def _positive_int(what: str) -> Callable[[str], int]:
         if value < 1:
             raise argparse.ArgumentTypeError(
                 f"{what}: {text!r} is not a positive integer.")
+        if value > high:
+            raise argparse.ArgumentTypeError(
+                f"{what}: {value} is out of range; it must be from 1 to "
+                f"{high}.")
         return value
 
     return parse_arg
+
+
+def check_output_path(path: str, what: str) -> None:
+    """Refuses an output file that could not be written, before any work.
+
+    The file's directory must exist and the file must be creatable or
+    writable there; nothing is left behind by the check.
+
+    Args:
+        path: The file to write.
+        what: The option's name for error messages, e.g. `"--json"`.
+
+    Raises:
+        ValueError: naming the path, the reason and what to do.
+
+    Example:
+
+    >>> check_output_path("/nonexistent/dir/out.json", "--json")
+    Traceback (most recent call last):
+    ...
+    ValueError: --json: cannot write '/nonexistent/dir/out.json': the \
+directory '/nonexistent/dir' does not exist. Create it, or choose another path.
+    """
+    if os.path.isdir(path):
+        example = os.path.join(path, "bench.png" if what == "--plot"
+                               else "bench.json")
+        raise ValueError(
+            f"{what}: {path!r} is a directory; give a file path in it, e.g. "
+            f"{example!r}.")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(
+            f"{what}: cannot write {path!r}: the directory {folder!r} does "
+            "not exist. Create it, or choose another path.")
+    existed = os.path.lexists(path)
+    try:
+        # Opened for appending: an existing file is not truncated yet.
+        with open(path, "ab"):
+            pass
+    except OSError as e:
+        raise ValueError(
+            f"{what}: cannot write {path!r}: {e.strerror or e}. Choose a "
+            "writable path.") from None
+    if not existed:
+        os.remove(path)
 
 
 def _features(text: str) -> list[str]:
@@ -220,29 +276,72 @@ def build_parser() -> argparse.ArgumentParser:
                             "choose_policy picks for the GPUs), or a forced "
                             "mixed_bfloat16 / mixed_float16")
     bench.add_argument("--accum", default="1",
-                       type=_list_type(parse_int_list, "--accum", 1),
+                       type=_list_type(parse_int_list, "--accum", 1,
+                                       MAX_STEPS),
                        help="gradient accumulation steps, comma-separated; "
                             "1 = plain fit, N > 1 = GradientAccumulationModel")
-    bench.add_argument("--steps", type=_positive_int("--steps"), default=20,
+    bench.add_argument("--steps", type=_positive_int("--steps", MAX_STEPS), default=20,
                        help="timed steps (micro-batches) per repeat")
-    bench.add_argument("--repeats", type=_positive_int("--repeats"),
+    bench.add_argument("--repeats", type=_positive_int("--repeats", MAX_REPEATS),
                        default=3, help="timed repeats; the median counts")
-    bench.add_argument("--warmup-steps", type=_positive_int("--warmup-steps"),
+    bench.add_argument("--warmup-steps", type=_positive_int("--warmup-steps", MAX_STEPS),
                        default=3, help="untimed steps that trace the step")
-    bench.add_argument("--batch-size", type=_positive_int("--batch-size"),
+    bench.add_argument("--batch-size", type=_positive_int("--batch-size", MAX_BATCH_SIZE),
                        default=64, help="examples per replica per step")
-    bench.add_argument("--timeout", type=_positive_int("--timeout"),
+    bench.add_argument("--timeout", type=_positive_int("--timeout", MAX_TIMEOUT),
                        default=1800, help="seconds allowed per replica count")
     bench.add_argument("--json", metavar="PATH",
                        help="write the results as JSON here ('-': stdout, "
-                            "instead of the table)")
+                            "instead of the table); checked before the "
+                            "benchmark runs")
     bench.add_argument("--plot", metavar="PNG",
-                       help="write a chart of throughput and efficiency")
+                       help="write a chart of throughput and efficiency "
+                            "(the extension names the format); checked "
+                            "before the benchmark runs")
     bench.set_defaults(subparser=bench)
     bench.add_argument("--_child", action="store_true", help=argparse.SUPPRESS)
     bench.add_argument("--_out", help=argparse.SUPPRESS)
     bench.add_argument("--_policies", help=argparse.SUPPRESS)
     return parser
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """Parses `keras-mgpu`'s arguments and checks what bench will write.
+
+    Everything is checked before any work starts: a bad value, or a
+    `--json`/`--plot` file that could not be written, exits with code 2
+    and a message naming it, as argparse does.
+
+    Args:
+        argv: Defaults to `None`, the command line (`sys.argv[1:]`).
+
+    Returns:
+        The namespace of `build_parser()`.
+
+    Example:
+
+    >>> parse_args(["bench", "--json", "/"])  # doctest: +SKIP
+    usage: keras-mgpu bench ...
+    keras-mgpu bench: error: --json: '/' is a directory; give a file path \
+in it, e.g. '/bench.json'.
+    """
+    args = build_parser().parse_args(argv)
+    if args.command == "bench" and not args._child:
+        outputs = [(what, path) for what, path in (("--json", args.json),
+                                                   ("--plot", args.plot))
+                   if path is not None and not (what == "--json"
+                                                and path == "-")]
+        try:
+            for what, path in outputs:
+                check_output_path(path, what)
+        except ValueError as e:
+            args.subparser.error(str(e))
+        if (len(outputs) == 2 and os.path.realpath(args.json)
+                == os.path.realpath(args.plot)):
+            args.subparser.error(
+                f"--json and --plot name the same file {args.json!r}: the "
+                "chart would overwrite the results. Give each its own path.")
+    return args
 
 
 # --- TensorFlow's import noise ---------------------------------------------------
@@ -337,7 +436,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     keras-mgpu bench: error: argument --replicas: --replicas: 0 is out of \
 range; each value must be from 1 to 64.
     """
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     quiet_tensorflow()
     from keras_mgpu import cli
 

@@ -25,7 +25,7 @@ from keras_mgpu import _bench
 from keras_mgpu import _doctor
 # The parser lives in a top-level module that imports no TensorFlow (see its
 # docstring); callers of keras_mgpu.cli.build_parser keep working.
-from keras_mgpu_cli import build_parser
+from keras_mgpu_cli import build_parser, parse_args
 
 EXIT_OK = 0
 EXIT_FINDING_ERROR = 1
@@ -92,7 +92,9 @@ def run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         policies = _bench.resolve_precisions(
             args.precision, mixed_precision.gpu_compute_capabilities())
-    except ValueError as e:
+        if args.plot:
+            _bench.check_plot_format(args.plot)
+    except (ValueError, ImportError) as e:
         parser.error(str(e))
     to_stdout = args.json == "-"
     log = (lambda *a, **k: print(*a, file=sys.stderr, **k)) if to_stdout \
@@ -118,11 +120,27 @@ def run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print()
         print(_bench.format_table(payload))
     if args.json and not to_stdout:
-        with open(args.json, "w") as f:
-            json.dump(payload, f, indent=2)
+        try:
+            with open(args.json, "w") as f:
+                json.dump(payload, f, indent=2)
+        except OSError as e:
+            # Checked before the run, yet gone since: the results are
+            # printed rather than lost.
+            print(json.dumps(payload, indent=2))
+            print(f"keras-mgpu bench: error: could not write --json "
+                  f"{args.json!r} ({e}); the results are printed above.",
+                  file=sys.stderr)
+            return EXIT_FINDING_ERROR
         log(f"Wrote {args.json}")
     if args.plot:
-        _bench.plot(payload, args.plot)
+        try:
+            _bench.plot(payload, args.plot)
+        except OSError as e:
+            kept = "the --json output" if args.json else "the table above"
+            print(f"keras-mgpu bench: error: could not write --plot "
+                  f"{args.plot!r} ({e}); the results are in {kept}.",
+                  file=sys.stderr)
+            return EXIT_FINDING_ERROR
         log(f"Wrote {args.plot}")
     return EXIT_OK
 
@@ -162,7 +180,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     usage: keras-mgpu bench ...
     keras-mgpu bench: error: argument --replicas: --replicas: 0 is out of range...
     """
-    return run(build_parser().parse_args(argv))
+    return run(parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -18,8 +18,10 @@ first use of `keras_mgpu.tuner`, or `from keras_mgpu import tuner`, does.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import os
+import re
 import signal
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
@@ -35,7 +37,7 @@ except ImportError as e:  # pragma: no cover - exercised in a test by hiding it
 import keras
 import tensorflow as tf
 
-from keras_mgpu._checks import is_positive_integer
+from keras_mgpu._checks import is_integer, is_positive_integer
 from keras_mgpu import compat
 from keras_mgpu import data as data_lib
 from keras_mgpu import launcher
@@ -196,6 +198,12 @@ class StrategyAwareHyperModel(keras_tuner.HyperModel):
             reference_batch_size = _positive_int(
                 "reference_batch_size", reference_batch_size)
         if precision is not None:
+            if not _as_list(precision):
+                raise ValueError(
+                    f"precision must be a policy name or a non-empty list of "
+                    f"them to tune, got {precision!r}. Pass None for the "
+                    f"global policy, or names from {list(_PRECISIONS)}."
+                )
             for name in _as_list(precision):
                 if name not in _PRECISIONS:
                     raise ValueError(
@@ -586,13 +594,15 @@ def plan_workers(
     Without devices, workers run on the CPU (`CUDA_VISIBLE_DEVICES=-1`).
 
     Args:
-        devices: Defaults to `()`. GPU ids (e.g. `["0", "1", ...]`).
+        devices: Defaults to `()`. GPU ids (e.g. `["0", "1", ...]`), one
+            per entry, each once.
         devices_per_trial: Defaults to 1. GPUs per trial; must divide
             `len(devices)`.
         num_workers: Defaults to `None`: one per device group (1 without
             devices). Fewer leaves groups unused; more is an error.
-        oracle_port: The chief oracle's port.
-        oracle_ip: Defaults to `"127.0.0.1"`.
+        oracle_port: The chief oracle's TCP port, 1 to 65535.
+        oracle_ip: Defaults to `"127.0.0.1"`. The chief's host name or IP
+            address.
 
     Returns:
         One environment dict per process, chief first.
@@ -605,8 +615,9 @@ def plan_workers(
     [('chief', '-1'), ('tuner0', '0,1'), ('tuner1', '2,3'),
      ('tuner2', '4,5'), ('tuner3', '6,7')]
     """
-    devices = [str(d) for d in devices]
+    devices = _device_ids(devices)
     devices_per_trial = _positive_int("devices_per_trial", devices_per_trial)
+    _check_oracle_address(oracle_ip, oracle_port)
     if num_workers is not None:
         num_workers = _positive_int("num_workers", num_workers)
     if devices:
@@ -646,6 +657,59 @@ def plan_workers(
         envs.append({**common, "KERASTUNER_TUNER_ID": tuner_id,
                      "CUDA_VISIBLE_DEVICES": group})
     return envs
+
+
+def _device_ids(devices) -> list:
+    """`devices` as `CUDA_VISIBLE_DEVICES` entries, or a `ValueError` naming
+    the one that is not a single device id."""
+    if isinstance(devices, (str, bytes)):
+        raise TypeError(
+            f"devices must be a list of GPU ids such as ['0', '1'], got the "
+            f"string {devices!r}."
+        )
+    ids = [str(d) for d in devices]
+    for device in ids:
+        if not device or any(c == "," or c.isspace() for c in device):
+            raise ValueError(
+                f"devices must hold one GPU id per entry (an index such as "
+                f"'0' or a UUID such as 'GPU-...'), got {device!r} in {ids!r}."
+            )
+    repeated = sorted({d for d in ids if ids.count(d) > 1})
+    if repeated:
+        raise ValueError(
+            f"devices lists {repeated} more than once ({ids!r}): two trials "
+            "would share a GPU. List each GPU once."
+        )
+    return ids
+
+
+# A host name (RFC 1123 labels) or an IPv4 address; IPv6 via `ipaddress`.
+_HOST_NAME = re.compile(
+    r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+    r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\Z")
+
+
+def _check_oracle_address(ip, port) -> None:
+    """Refuses what would reach KerasTuner's environment unchecked: a port
+    that is not a TCP port, a host that is not a host name or address."""
+    if not is_integer(port) or not 1 <= port <= 65535:
+        raise ValueError(
+            f"oracle_port must be a TCP port, an integer from 1 to 65535, "
+            f"got {port!r}. keras_mgpu.launcher.free_ports(1)[0] gives a "
+            "free one."
+        )
+    valid = isinstance(ip, str) and bool(_HOST_NAME.match(ip))
+    if isinstance(ip, str) and not valid:
+        try:
+            ipaddress.ip_address(ip)
+            valid = True
+        except ValueError:
+            pass
+    if not valid:
+        raise ValueError(
+            f"oracle_ip must be the chief's host name or IP address, e.g. "
+            f"'127.0.0.1' or 'node-0.cluster', got {ip!r}."
+        )
 
 
 def local_gpus() -> list:

@@ -12,8 +12,9 @@ import pytest
 import keras
 import tensorflow as tf
 
-from keras_mgpu.callbacks import (RESTART_EXIT_CODE, BackupAndRestore,
-                                  backup_and_restore, list_presets)
+from keras_mgpu.callbacks import (RESTART_EXIT_CODE, RETRIED_EXIT_CODES,
+                                  BackupAndRestore, backup_and_restore,
+                                  list_presets)
 from tests import backup_workers, workers
 
 
@@ -183,7 +184,10 @@ def test_sigterm_saves_and_exits_with_the_restart_code(
                 "pause_at": 10},
         kill_when_printed="STEP 10;", kill_signal=signal.SIGTERM,
         check=False)
-    assert results[0].returncode == RESTART_EXIT_CODE == 75
+    # The "preemptible" preset's code, one TFJob's ExitCode policy reruns.
+    assert results[0].returncode in RETRIED_EXIT_CODES["tfjob"].codes
+    assert results[0].returncode == RESTART_EXIT_CODE == list_presets()[
+        "preemptible"]["exit_code"]
     assert "SIGTERM received; saved generation 1" in results[0].stderr
     assert backup_and_restore._generations(str(backup_dir)) == [1]
     resumed = run(run_workers, backup_dir, save_freq=1000)[0]
@@ -534,6 +538,33 @@ def test_a_rerun_past_the_last_epoch_keeps_the_backups(tmp_path):
                   callbacks=[BackupAndRestore(str(backup_dir))])
     assert backup_and_restore._generations(str(backup_dir)) == saved
     assert int(model.optimizer.iterations.numpy()) == 8
+
+
+@pytest.mark.parametrize("preset", [
+    name for name, args in list_presets().items()
+    if args.get("save_on_sigterm")])
+@pytest.mark.parametrize("scheduler", sorted(RETRIED_EXIT_CODES))
+def test_presets_exit_with_a_code_the_job_runners_rerun(preset, scheduler):
+    """Each preset that exits on SIGTERM exits with a code every job runner
+    in the table reruns by default; SLURM reruns none by default, and its
+    row says how to list that code."""
+    code = BackupAndRestore.from_preset(preset, "unused").exit_code
+    row = RETRIED_EXIT_CODES[scheduler]
+    if row.codes:
+        assert code in row.codes, (preset, code, row)
+    else:
+        assert f"RequeueExit={code}" in row.note, (preset, code, row)
+
+
+def test_docs_show_the_exit_code_table_as_the_data_says():
+    from pathlib import Path
+
+    from keras_mgpu.callbacks import _exit_codes
+
+    docs = (Path(__file__).parents[1] / "docs" / "backup.md").read_text()
+    assert _exit_codes.exit_code_table() in docs, (
+        "docs/backup.md's exit-code table differs from RETRIED_EXIT_CODES; "
+        "paste keras_mgpu.callbacks._exit_codes.exit_code_table() there.")
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -263,13 +263,69 @@ def test_doctor_need_rejects_unknown_feature(capsys):
     (["--steps", "0"], "--steps: '0'"),
     (["--batch-size", "-4"], "--batch-size: '-4'"),
     (["--precision", "mixed"], "--precision mixed_bfloat16"),
+    (["--accum", "99999999999999999999"],
+     "--accum: 99999999999999999999 is out of range; each value must be "
+     "from 1 to 1000000"),
+    (["--steps", "99999999999999999999"],
+     "--steps: 99999999999999999999 is out of range; it must be from 1 to "
+     "1000000"),
+    (["--timeout", str(10**30)], "--timeout: 1000000000000000000000000000000 "
+                                 "is out of range"),
+    (["--json", "/nonexistent/dir/out.json"],
+     "--json: cannot write '/nonexistent/dir/out.json': the directory "
+     "'/nonexistent/dir' does not exist. Create it"),
+    (["--json", "{tmp}"], "--json: '{tmp}' is a directory; give a file path "
+                          "in it, e.g. '{tmp}/bench.json'"),
+    (["--plot", "/nonexistent/dir/out.png"],
+     "--plot: cannot write '/nonexistent/dir/out.png'"),
+    (["--plot", "{tmp}"], "--plot: '{tmp}' is a directory"),
+    (["--plot", "{tmp}/chart.json"],
+     "--plot: '{tmp}/chart.json' does not end in an image format "
+     "matplotlib writes; use e.g. '{tmp}/chart.png'"),
+    (["--json", "{tmp}/b.json", "--plot", "{tmp}/b.json"],
+     "--json and --plot name the same file"),
 ])
-def test_bench_argument_errors(argv, named, capsys):
+def test_bench_argument_errors(argv, named, capsys, monkeypatch, tmp_path):
+    def run_children(*args, **kwargs):
+        raise AssertionError("the benchmark ran before its arguments and "
+                             "output paths were checked")
+
+    monkeypatch.setattr(_bench, "run_children", run_children)
+    argv = [a.format(tmp=tmp_path) for a in argv]
     with pytest.raises(SystemExit) as e:
         cli.main(["bench", *argv])
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert named in err, err
+    assert named.format(tmp=tmp_path) in err, err
+    assert os.listdir(tmp_path) == []  # the checks leave nothing behind
+
+
+def test_bench_prints_its_results_when_the_json_file_vanished_meanwhile(
+        tmp_path, monkeypatch, capsys):
+    """The output paths are checked first; if one still cannot be written
+    after the run, the results are printed, not lost."""
+    folder = tmp_path / "out"
+    folder.mkdir()
+    payload = fake_payload(on_gpu=False)
+
+    def run_children(settings, policies, timeout, log):
+        folder.rmdir()  # removed while the benchmark ran
+        return [{"gpus": [], "results": [r for r in payload["results"]
+                                         if r["replicas"] == n]}
+                for n in settings["replicas"]]
+
+    monkeypatch.setattr(_bench, "run_children", run_children)
+    code = cli.main(["bench", "--replicas", "1,2,4", "--precision",
+                     "float32,mixed_bfloat16", "--json",
+                     str(folder / "bench.json")])
+    out, err = capsys.readouterr()
+    assert code == 1
+    assert f"could not write --json '{folder / 'bench.json'}'" in err
+    assert "the results are printed above" in err
+    printed = json.loads(out[out.index("{"):])
+    _bench.validate(printed)
+    assert ([r["examples_per_s"] for r in printed["results"]]
+            == [r["examples_per_s"] for r in payload["results"]])
 
 
 def test_resolve_precisions_uses_choose_policy():
@@ -446,6 +502,10 @@ def imported_modules(stderr: str) -> set:
     (["bench", "--replicas", "0"], 2, "--replicas: 0 is out of range"),
     (["bench", "--model", "vgg"], 2, "'vgg'"),
     (["doctor", "--need", "foo"], 2, "--need: unknown value 'foo'"),
+    (["bench", "--json", "/nonexistent/dir/out.json"], 2,
+     "the directory '/nonexistent/dir' does not exist"),
+    (["bench", "--accum", "99999999999999999999"], 2,
+     "--accum: 99999999999999999999 is out of range"),
     ([], 2, "required: {doctor,bench}"),
 ])
 def test_console_script_answers_without_tensorflow(argv, code, named):

@@ -426,6 +426,17 @@ def test_unknown_lr_scaling_lists_valid_rules():
                                            lr_scaling="cubic")
 
 
+@pytest.mark.parametrize("precision, message", [
+    ([], r"precision must be a policy name or a non-empty list.*got \[\]"),
+    ((), r"non-empty list.*got \(\)"),
+    (["float64"], r"Unknown precision policy 'float64'"),
+])
+def test_bad_precision_is_refused_at_construction(precision, message):
+    with pytest.raises(ValueError, match=message):
+        mgpu_tuner.StrategyAwareHyperModel(tuner_workers.build_model,
+                                           precision=precision)
+
+
 def test_missing_learning_rate_hp_names_fix(tmp_path):
     def build(hp):
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(
@@ -607,6 +618,44 @@ def test_plan_workers_errors():
     with pytest.raises(ValueError, match=r"num_workers=3.*only 2"):
         mgpu_tuner.plan_workers(["0", "1", "2", "3"], 2, num_workers=3,
                                 oracle_port=1)
+
+
+@pytest.mark.parametrize("devices, kwargs, error, message", [
+    ([], {"oracle_port": -1}, ValueError,
+     r"oracle_port must be a TCP port, an integer from 1 to 65535, got -1"),
+    ([], {"oracle_port": 65536}, ValueError, r"got 65536"),
+    ([], {"oracle_port": "x; rm -rf /"}, ValueError,
+     r"oracle_port must be a TCP port.*got 'x; rm -rf /'"),
+    ([], {"oracle_port": "8000"}, ValueError, r"got '8000'"),
+    ([], {"oracle_port": True}, ValueError, r"got True"),
+    ([], {"oracle_port": 8000, "oracle_ip": "x; rm -rf /"}, ValueError,
+     r"oracle_ip must be the chief's host name or IP address.*"
+     r"got 'x; rm -rf /'"),
+    ([], {"oracle_port": 8000, "oracle_ip": "localhost\n"}, ValueError,
+     r"oracle_ip .*got 'localhost\\n'"),
+    ([], {"oracle_port": 8000, "oracle_ip": None}, ValueError,
+     r"oracle_ip .*got None"),
+    (["0,1", "2"], {"oracle_port": 8000}, ValueError,
+     r"one GPU id per entry.*got '0,1'"),
+    (["0", "1; rm -rf /"], {"oracle_port": 8000}, ValueError,
+     r"got '1; rm -rf /'"),
+    (["0", "1", "0"], {"oracle_port": 8000}, ValueError,
+     r"devices lists \['0'\] more than once"),
+    ("0,1", {"oracle_port": 8000}, TypeError,
+     r"devices must be a list of GPU ids.*got the string '0,1'"),
+])
+def test_plan_workers_refuses_what_would_reach_the_environment(
+        devices, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        mgpu_tuner.plan_workers(devices, 1, **kwargs)
+
+
+def test_plan_workers_accepts_hosts_addresses_and_numpy_ports():
+    for ip in ("127.0.0.1", "::1", "node-0.cluster.local", "localhost"):
+        envs = mgpu_tuner.plan_workers([0, 1], 1, oracle_port=np.int64(8000),
+                                       oracle_ip=ip)
+        assert {e["KERASTUNER_ORACLE_IP"] for e in envs} == {ip}
+        assert {e["KERASTUNER_ORACLE_PORT"] for e in envs} == {"8000"}
 
 
 # --- real processes ---------------------------------------------------------------

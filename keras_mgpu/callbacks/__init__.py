@@ -1,6 +1,7 @@
 """Distributed-aware Keras callbacks."""
 
 from keras_mgpu.callbacks.backup_and_restore import RESTART_EXIT_CODE  # noqa: F401
+from keras_mgpu.callbacks.backup_and_restore import RETRIED_EXIT_CODES  # noqa: F401
 from keras_mgpu.callbacks.backup_and_restore import BackupAndRestore  # noqa: F401
 from keras_mgpu.callbacks.backup_and_restore import BackupDirInUse  # noqa: F401
 from keras_mgpu.callbacks.backup_and_restore import list_presets  # noqa: F401

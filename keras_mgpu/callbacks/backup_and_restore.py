@@ -28,8 +28,11 @@ from keras_mgpu.callbacks._backup_lock import BackupDirInUse, OwnerLock  # noqa:
 from keras_mgpu import strategy as strategy_lib
 from keras_mgpu.runtime import training_runtime
 
-# EX_TEMPFAIL: "try again". A job runner can restart on exactly this code.
-RESTART_EXIT_CODE = 75
+# The exit code after a SIGTERM save (143), and the exit codes each job
+# runner reruns a job for, with their sources.
+from keras_mgpu.callbacks._exit_codes import (  # noqa: F401
+    RESTART_EXIT_CODE, RETRIED_EXIT_CODES)
+
 FORMAT_VERSION = 2
 
 # A preset is only a named set of constructor arguments.
@@ -42,11 +45,13 @@ PRESETS = {
         "save_freq": 50,
         "keep": 2,
         "save_on_sigterm": True,
+        "exit_code": RESTART_EXIT_CODE,
     },
     "multi_worker": {
         "save_freq": 200,
         "keep": 3,
         "save_on_sigterm": True,
+        "exit_code": RESTART_EXIT_CODE,
     },
 }
 
@@ -202,9 +207,14 @@ class BackupAndRestore(keras.callbacks.Callback):
         save_on_sigterm: Defaults to `False`. If `True`, SIGTERM (the usual
             preemption notice) makes the callback save at the next batch
             boundary and exit with `exit_code`. Keyword-only.
-        exit_code: Defaults to `RESTART_EXIT_CODE` (75, EX_TEMPFAIL): the
-            process exit status after a SIGTERM save, so a job runner knows
-            to rerun. Keyword-only.
+        exit_code: Defaults to `RESTART_EXIT_CODE` (143, 128 + SIGTERM,
+            as TensorFlow's own preemption handler exits): the process exit
+            status after a SIGTERM save, so a job runner knows to rerun.
+            Kubeflow's TFJob (`restartPolicy: ExitCode`), Kubernetes Jobs
+            and Vertex AI rerun on 143; SLURM reruns on the codes its
+            `RequeueExit` lists (`RETRIED_EXIT_CODES`, `docs/backup.md`).
+            Pass the code your job runner reruns on if it is another.
+            Keyword-only.
         restart_if_unusable: Defaults to `False`: if `backup_dir` holds
             generations and every one is unusable (truncated, corrupt,
             incomplete), raise an error naming them instead of training
