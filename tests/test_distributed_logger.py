@@ -819,3 +819,43 @@ def test_the_input_bound_label_comes_from_the_number_shown_beside_it():
         "15.6% of step time (moderately input-bound)")
     assert input_wait_summary(0.01) == "1.0% of step time (not input-bound)"
     assert input_wait_summary(0.2001) == "20.0% of step time (highly input-bound)"
+
+
+def test_a_sigkilled_run_keeps_every_closed_record_and_the_rerun_continues(
+        run_workers, tmp_path):
+    """Killed after 13 batches (8 per epoch, windows of 2) on a machine
+    whose two cores run busy loops, where TensorBoard's first write takes
+    seconds: the JSONL has all 7 records closed by then (windows 2 to 12
+    and epoch 0's); the resumed run goes on from step 13."""
+    log_dir, backup_dir = str(tmp_path / "logs"), str(tmp_path / "backup")
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            for _ in range(2)]
+    try:
+        [killed] = run_workers(
+            logger_workers.killed_and_resumed, num_workers=1, check=False,
+            kwargs={"log_dir": log_dir, "backup_dir": backup_dir,
+                    "kill_after": 13})
+        assert killed.returncode == -signal.SIGKILL, (
+            killed.returncode, killed.stderr[-3000:])
+        closed = [("window", s) for s in (2, 4, 6, 8)] + [("epoch", 8)] + [
+            ("window", 10), ("window", 12)]
+        assert [(r["kind"], r["step"]) for r in read_jsonl(log_dir)] == closed
+    finally:
+        for loop in busy:
+            loop.kill()
+            loop.wait()
+
+    [resumed] = run_workers(
+        logger_workers.killed_and_resumed, num_workers=1,
+        kwargs={"log_dir": log_dir, "backup_dir": backup_dir})
+    assert resumed.result["iterations"] == 16
+    records = read_jsonl(log_dir)
+    assert [(r["kind"], r["step"]) for r in records] == closed + [
+        ("resume", 13), ("window", 14), ("window", 16), ("epoch", 16)]
+    # Every step once: each window starts where the previous record (or
+    # the resume) left off.
+    windows = [r for r in records if r["kind"] in ("window", "resume")]
+    for before, record in zip(windows, windows[1:]):
+        if record["kind"] == "window":
+            assert record["step"] - record["steps"] == before["step"], (
+                before, record)

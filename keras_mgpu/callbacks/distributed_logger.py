@@ -243,7 +243,6 @@ class DistributedLogger(keras.callbacks.Callback):
         self._reader = None  # (what it reads, the compiled read)
         self._profiling = False
         self._step_trace = None
-        self._held = []  # records closed while profiling, written after
         self._summary_step = None  # the chief's step for the model's summaries
         self._summary_ops = [False]  # whether a traced step had any
         self._summaries = False
@@ -401,11 +400,6 @@ class DistributedLogger(keras.callbacks.Callback):
     # --- Records -------------------------------------------------------------
 
     def _submit(self, record: dict) -> None:
-        if self._profiling:
-            # Nothing of the logger's own in the profile: its writes (the
-            # first traces the event writer) can hide xprof's step markers.
-            self._held.append(record)
-            return
         try:
             self._sinks.submit(record)
         except RuntimeError:
@@ -671,6 +665,10 @@ class DistributedLogger(keras.callbacks.Callback):
                     tf.io.gfile.join(self.log_dir, "train")
                 )
                 self._profiling = True
+                # Nothing of the logger's own in the profile: its background
+                # writes (the first traces the event writer) can hide
+                # xprof's step markers. JSONL lines are still written.
+                self._sinks.hold()
             except tf.errors.AlreadyExistsError:
                 warnings.warn(
                     "DistributedLogger: another profiler is running; "
@@ -698,10 +696,8 @@ class DistributedLogger(keras.callbacks.Callback):
         if self._profiling:
             tf.profiler.experimental.stop()
             self._profiling = False
-        held, self._held = self._held, []
         if self._sinks is not None:
-            for record in held:
-                self._submit(record)
+            self._sinks.release()
 
 
 # --- Helpers -----------------------------------------------------------------
