@@ -69,13 +69,20 @@ def killed_and_resumed(log_dir, backup_dir, kill_after=None, epochs=2):
     """Fits a plain model (8 batches per epoch) with `BackupAndRestore`
     saving every batch and `DistributedLogger(update_freq=2)`; with
     `kill_after`, SIGKILLs itself at the end of that global batch, once
-    its backup is committed (so the rerun resumes there)."""
+    its backup is committed (so the rerun resumes there), while the
+    logger's background writer (TensorBoard's events) is held in its
+    first write, as a first write that traces for seconds on a busy
+    machine is."""
     import signal
 
     import keras
 
     from keras_mgpu.callbacks import BackupAndRestore, DistributedLogger
+    from keras_mgpu.callbacks import _sinks
     from tests import workers
+
+    if kill_after is not None:
+        _sinks.Sinks._write = lambda self, records: workers.hold_until_killed()
 
     trained = [0]
 

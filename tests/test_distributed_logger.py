@@ -824,9 +824,9 @@ def test_the_input_bound_label_comes_from_the_number_shown_beside_it():
 def test_a_sigkilled_run_keeps_every_closed_record_and_the_rerun_continues(
         run_workers, tmp_path):
     """Killed after 13 batches (8 per epoch, windows of 2) on a machine
-    whose two cores run busy loops, where TensorBoard's first write takes
-    seconds: the JSONL has all 7 records closed by then (windows 2 to 12
-    and epoch 0's); the resumed run goes on from step 13."""
+    whose two cores run busy loops, with TensorBoard's writes held: the
+    JSONL has all 7 records closed by then (windows 2 to 12 and epoch 0's);
+    the resumed run goes on from step 13."""
     log_dir, backup_dir = str(tmp_path / "logs"), str(tmp_path / "backup")
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
             for _ in range(2)]
@@ -859,3 +859,77 @@ def test_a_sigkilled_run_keeps_every_closed_record_and_the_rerun_continues(
         if record["kind"] == "window":
             assert record["step"] - record["steps"] == before["step"], (
                 before, record)
+
+
+# --- Hand-written loops -------------------------------------------------------
+
+
+def test_a_gradient_tape_loop_logs_the_losses_it_gives_as_tensorboard_does(
+        tmp_path):
+    """A `GradientTape` loop driving its callbacks through `CallbackList`
+    (the pattern docs/telemetry.md shows), with a compiled model whose
+    metrics the loop never feeds: the logger writes the losses the loop
+    gives, as Keras's `TensorBoard` in the same loop does."""
+    ours, stock = str(tmp_path / "ours"), str(tmp_path / "stock")
+    keras.utils.set_random_seed(0)
+    x, y = workers.regression_data(32)
+    model = workers.build_mlp()
+    optimizer = keras.optimizers.SGD(0.1)
+    model.compile(optimizer, "mse")
+    callbacks = keras.callbacks.CallbackList(
+        [DistributedLogger(ours, update_freq=2, console=False),
+         keras.callbacks.TensorBoard(stock, update_freq=2,
+                                     write_graph=False)], model=model)
+    given = []
+    callbacks.on_train_begin()
+    for epoch in range(2):
+        callbacks.on_epoch_begin(epoch)
+        for batch in range(4):
+            callbacks.on_train_batch_begin(batch)
+            xb, yb = x[8 * batch:8 * (batch + 1)], y[8 * batch:8 * (batch + 1)]
+            with tf.GradientTape() as tape:
+                loss = keras.ops.mean((model(xb) - yb) ** 2)
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply(grads, model.trainable_variables)
+            given.append(float(loss))
+            callbacks.on_train_batch_end(batch, {"loss": float(loss)})
+        callbacks.on_epoch_end(epoch, {"loss": float(loss)})
+    callbacks.on_train_end()
+
+    windows = [r for r in read_jsonl(ours) if r["kind"] == "window"]
+    assert [(r["step"], r["metrics"]) for r in windows] == [
+        (s, {"loss": pytest.approx(given[s - 1])}) for s in (2, 4, 6, 8)]
+    ours_loss = read_scalars(ours)["batch_loss"]
+    stock_loss = read_scalars(stock)["batch_loss"]
+    assert len(stock_loss) == 4, stock_loss
+    assert ours_loss == [(s, pytest.approx(v, rel=1e-6))
+                         for s, v in stock_loss]
+
+
+def test_train_on_batch_in_a_callback_list_counts_every_batch(tmp_path):
+    """`train_on_batch` resets Keras's loss tracker at each call: the
+    logger counts each batch's samples (8, 8 and 4) and logs the values the
+    loop gives."""
+    log_dir = str(tmp_path / "logs")
+    x, y = workers.regression_data(20)
+    model = workers.build_mlp()
+    model.compile("sgd", "mse")
+    callbacks = keras.callbacks.CallbackList(
+        [DistributedLogger(log_dir, update_freq=1, console=False)],
+        model=model)
+    given = []
+    callbacks.on_train_begin()
+    callbacks.on_epoch_begin(0)
+    for batch, (start, stop) in enumerate([(0, 8), (8, 16), (16, 20)]):
+        callbacks.on_train_batch_begin(batch)
+        logs = model.train_on_batch(x[start:stop], y[start:stop],
+                                    return_dict=True)
+        given.append(logs["loss"])
+        callbacks.on_train_batch_end(batch, logs)
+    callbacks.on_epoch_end(0, logs)
+    callbacks.on_train_end()
+    records = read_jsonl(log_dir)
+    assert [(r["kind"], r["step"], r["examples"]) for r in records] == [
+        ("window", 1, 8.0), ("window", 2, 8.0), ("window", 3, 4.0),
+        ("epoch", 3, 20.0)]
+    assert [r["metrics"]["loss"] for r in records[:3]] == pytest.approx(given)

@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import importlib.util
 import os
+import sys
 import time
 import warnings
 import weakref
@@ -20,6 +21,7 @@ from keras_mgpu._checks import is_nonempty_path, is_positive_int
 from keras_mgpu import strategy as strategy_lib
 from keras_mgpu.callbacks._console import print_msg as _print_msg
 from keras_mgpu.callbacks._sinks import Sinks
+from keras_mgpu.callbacks.backup_and_restore import _inside_fit
 from keras_mgpu.runtime import training_runtime
 
 # Every JSONL line has exactly these keys, in this order; a value that cannot
@@ -67,6 +69,7 @@ class _Span:
     steps: int = 0  # batches trained
     step_max: float = 0.0  # longest batch interval
     untimed: bool = False  # a batch ran without input timing
+    examples: float = 0.0  # samples counted batch by batch (hand loops)
 
     def add(self, steps: int, start: dict, now: float, timed: bool) -> None:
         if self.began is None:
@@ -248,6 +251,11 @@ class DistributedLogger(keras.callbacks.Callback):
         self._summaries = False
         self._pending_console = None
         self._logged_resumes = set()
+        self._hand_loop = False  # driven by a hand-written loop, not `fit`
+        self._epoch = 0
+        self._last_batch = 0
+        self._given = None  # (epoch, batch, logs) of a hand loop's batch end
+        self._counting = False  # a hand-loop batch whose samples are unread
 
     def __deepcopy__(self, memo):
         # A copy (KerasTuner copies callbacks for every trial) is a new
@@ -267,6 +275,12 @@ class DistributedLogger(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         self._runtime = training_runtime(self.model)
         self._runtime.train_begin(self)
+        # `fit` reads Keras's compiled step; a hand-written loop (driving a
+        # `CallbackList` itself, `train_on_batch` included) gives its values
+        # in the logs of each batch end. Once per `fit`: a walk up the stack.
+        self._hand_loop = not _inside_fit(sys._getframe(), self.model)
+        self._given = None
+        self._counting = False
         self._runtime.time_input()
         self._strategy = self.model.distribute_strategy
         multi = strategy_lib.is_multi_worker(self._strategy)
@@ -327,6 +341,7 @@ class DistributedLogger(keras.callbacks.Callback):
         last = self._last_begin
         if last is not None and now - last > self._window.step_max:
             self._window.step_max = now - last
+        self._count_hand_batch()
         # Windows are aligned to multiples of `update_freq` batches in the
         # epoch, so a resumed run's records fall where the original's did.
         window_id = batch // self._freq
@@ -342,6 +357,8 @@ class DistributedLogger(keras.callbacks.Callback):
                 or batch + 1 == (self.params or {}).get("steps"))
         steps = runtime.global_step - runtime.completed_steps
         timed = runtime.input_timed
+        self._last_batch = batch
+        self._counting = self._hand_loop
         self._window.add(steps, self._last, now, timed)
         self._epoch_span.add(steps, self._last, now, timed)
         if self._profile:
@@ -350,10 +367,18 @@ class DistributedLogger(keras.callbacks.Callback):
                 now = time.perf_counter()
         self._last_begin = now
 
+    def on_train_batch_end(self, batch, logs=None):
+        # In `fit`, nothing: a record reads the compiled step. Keras calls
+        # batch ends in order, before the next batch begins (on TensorFlow
+        # it never dispatches them to another thread).
+        if self._hand_loop:
+            self._given = (self._epoch, batch, _floats(logs or {}))
+
     def on_test_begin(self, logs=None):
         # Validation runs after the epoch's last batch and before
         # `on_epoch_end`: close the training figures before it starts (and
         # before `evaluate` resets the metrics).
+        self._count_hand_batch()
         self._runtime.test_begin()
         self._end_step_trace()
         if self._in_epoch and self._epoch_record is None:
@@ -363,6 +388,7 @@ class DistributedLogger(keras.callbacks.Callback):
             self._sinks.run_writer("validation")  # on this thread: see there
 
     def on_epoch_end(self, epoch, logs=None):
+        self._count_hand_batch()
         self._runtime.epoch_end(epoch)
         self._end_step_trace()
         self._record_summaries(False)
@@ -409,6 +435,30 @@ class DistributedLogger(keras.callbacks.Callback):
             with contextlib.suppress(Exception):
                 self._close_sinks()
             raise
+
+    def _count_hand_batch(self) -> None:
+        """Adds the samples of the hand-loop batch just trained to its
+        window and epoch: what Keras's loss tracker holds after it, as
+        `train_on_batch` leaves it (it resets the tracker at every call).
+        Nothing for a step that does not feed it (a `GradientTape` step)."""
+        if not self._counting:
+            return
+        self._counting = False
+        seen = compat.examples_seen(self.model)
+        if seen:
+            self._window.examples += seen
+            self._epoch_span.examples += seen
+
+    def _hand_loop_metrics(self, read: dict, window: _Span) -> dict:
+        """A hand-written loop's window metrics: the logs it gave at the
+        window's last batch end, as Keras's `TensorBoard` logs them. Without
+        them, the model's metrics where its steps fed them
+        (`train_on_batch`), else none (a `GradientTape` step leaves them at
+        0, which is not a loss)."""
+        given = self._given
+        if given and given[:2] == (self._epoch, self._last_batch) and given[2]:
+            return given[2]
+        return read if window.examples else {}
 
     def _close_sinks(self) -> None:
         sinks, self._sinks = self._sinks, None
@@ -459,9 +509,12 @@ class DistributedLogger(keras.callbacks.Callback):
             m.update(_across_workers(gathered[:, i * width:(i + 1) * width]))
         common = self._shared_fields(read, counters)
         if self.update_freq != "epoch" and self._chief:
+            metrics = read["metrics"]
+            if self._hand_loop:
+                metrics = self._hand_loop_metrics(metrics, window)
             self._submit(_record("window", self._epoch,
                                  counters.global_step, measured[0],
-                                 common, read["metrics"]))
+                                 common, metrics))
         if final:
             self._epoch_record = _record("epoch", self._epoch,
                                          counters.global_step, measured[1],
@@ -483,6 +536,8 @@ class DistributedLogger(keras.callbacks.Callback):
         start = span.start
         if self.batch_size is not None:
             examples = float(self.batch_size * span.steps)
+        elif self._hand_loop:
+            examples = span.examples
         elif state["samples"] is not None:
             examples = state["samples"] - start["samples"]
         else:
