@@ -933,3 +933,98 @@ def test_train_on_batch_in_a_callback_list_counts_every_batch(tmp_path):
         ("window", 1, 8.0), ("window", 2, 8.0), ("window", 3, 4.0),
         ("epoch", 3, 20.0)]
     assert [r["metrics"]["loss"] for r in records[:3]] == pytest.approx(given)
+
+
+# --- One writer per log_dir -------------------------------------------------
+
+
+def test_console_must_be_a_bool(tmp_path):
+    with pytest.raises(TypeError, match=r"console must be True .* or False, "
+                                        r"got 'no'"):
+        DistributedLogger(str(tmp_path), console="no")
+
+
+def _tiny_fit(logger, callbacks=()):
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    model.fit(np.ones((16, 2)), np.ones((16, 1)), batch_size=8, epochs=1,
+              verbose=0, callbacks=[logger, *callbacks])
+
+
+def test_a_second_logger_on_a_log_dir_in_use_in_this_process_is_refused(
+        tmp_path):
+    """A fit on another thread holds the log_dir: a second logger's fit
+    there is refused before training; once that fit ends, it may continue
+    the file."""
+    import threading
+
+    log_dir = str(tmp_path / "logs")
+    held, go = threading.Event(), threading.Event()
+
+    def hold(batch, logs):
+        held.set()
+        go.wait(timeout=120)
+
+    first = threading.Thread(target=_tiny_fit, args=(
+        DistributedLogger(log_dir, update_freq=1, console=False),
+        [keras.callbacks.LambdaCallback(on_train_batch_end=hold)]))
+    first.start()
+    try:
+        assert held.wait(timeout=120)
+        from keras_mgpu.callbacks import LogDirInUse
+        with pytest.raises(LogDirInUse, match="another DistributedLogger's "
+                                              "fit in this process"):
+            _tiny_fit(DistributedLogger(log_dir, console=False))
+    finally:
+        go.set()
+        first.join(timeout=120)
+    assert not first.is_alive()
+    _tiny_fit(DistributedLogger(log_dir, update_freq=1, console=False))
+    assert [(r["kind"], r["step"]) for r in read_jsonl(log_dir)] == [
+        ("window", 1), ("window", 2), ("epoch", 2)] * 2
+
+
+_HOLDING_FIT = r"""
+import sys
+import numpy as np, keras
+from keras_mgpu.callbacks import DistributedLogger
+
+def hold(batch, logs):
+    print("HOLDING", flush=True)
+    sys.stdin.readline()
+
+model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+model.compile("sgd", "mse")
+model.fit(np.ones((16, 2)), np.ones((16, 1)), batch_size=8, epochs=1,
+          verbose=0, callbacks=[
+              DistributedLogger(sys.argv[1], update_freq=1, console=False),
+              keras.callbacks.LambdaCallback(on_train_batch_end=hold)])
+"""
+
+
+def test_a_log_dir_another_process_writes_is_refused_until_it_dies(
+        tmp_path):
+    import select
+
+    from keras_mgpu.callbacks import LogDirInUse
+
+    log_dir = str(tmp_path / "logs")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="-1")
+    child = subprocess.Popen(
+        [sys.executable, "-c", _HOLDING_FIT, log_dir], env=env, text=True,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        ready, _, _ = select.select([child.stdout], [], [], 120)
+        line = child.stdout.readline() if ready else ""
+        assert line == "HOLDING\n", (line, child.poll())
+        with pytest.raises(LogDirInUse, match="written by another process"):
+            _tiny_fit(DistributedLogger(log_dir, console=False))
+    finally:
+        child.kill()
+        _, stderr = child.communicate(timeout=60)
+    assert child.returncode == -signal.SIGKILL, stderr[-3000:]
+    # The system dropped the dead process's lock: this run writes (the
+    # refused fit wrote nothing, the child had closed no record).
+    _tiny_fit(DistributedLogger(log_dir, update_freq=1, console=False))
+    assert [(r["kind"], r["step"]) for r in read_jsonl(log_dir)] == [
+        ("window", 1), ("window", 2), ("epoch", 2)]
