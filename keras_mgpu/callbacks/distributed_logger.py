@@ -141,14 +141,25 @@ class DistributedLogger(keras.callbacks.Callback):
     only hooks batch *begin*, so Keras does not convert per-batch logs for
     it and may dispatch other callbacks' batch ends asynchronously. A record
     closes at the next batch's begin (or at validation/epoch end): it reads
-    the metrics, which waits for the device, then stamps the time. Writing
-    (JSONL, TensorBoard, wandb) happens on a background thread, in order;
-    everything is on disk when `fit` returns. When `fit` raises instead,
+    the metrics, which waits for the device, then stamps the time.
+
+    Durability: a local JSONL file gets each record's line as the record
+    closes, written and flushed to the operating system by the training
+    thread (microseconds, no sync), so a killed process (SIGKILL included)
+    keeps every record closed before it died, whatever TensorBoard or wandb
+    were doing. TensorBoard and wandb (and a URL's JSONL) are written by a
+    background thread, in order: a kill loses what it had not written yet.
+    Everything is on disk when `fit` returns. When `fit` raises instead,
     the thread still writes and flushes every record queued before the
     error, then stops; fitting again with the same logger appends to the
-    same files. A local JSONL file has every line written before the next
-    record is taken: a killed run loses at most the records still queued,
-    and a torn last line is closed off by the next run.
+    same files, and a torn last line (a process killed mid-write) is
+    closed off by the next run.
+
+    One writer per `log_dir`: while a logger's `fit` runs, another logger's
+    `fit` on the same `log_dir` raises `LogDirInUse` before training (in
+    this process, or in another one on this machine for a local
+    `log_dir`), rather than interleave their records. One after the other
+    is fine: a resumed run continues the file.
 
     Records are stamped with the run's global step, kept by the training
     runtime this callback shares with `BackupAndRestore` and
@@ -162,11 +173,16 @@ class DistributedLogger(keras.callbacks.Callback):
 
     Examples are counted from Keras's loss tracker, which `fit` feeds with
     each batch's real size (the last short batch included). Where nothing
-    feeds it (a custom `train_step` that does not, a hand-written loop), a
-    record's `examples` is `null`; give `batch_size` to count them.
+    feeds it (a custom `train_step` that does not, a `GradientTape` loop),
+    a record's `examples` is `null`; give `batch_size` to count them.
 
     Works in a hand-written loop that drives its callbacks through
-    `keras.callbacks.CallbackList`, with or without `compile`.
+    `keras.callbacks.CallbackList`, with or without `compile`: there is no
+    compiled step to read, so a window's metrics are the `logs` the loop
+    passes to `on_train_batch_end` at the window's last batch (what Keras's
+    `TensorBoard` logs), and examples are counted batch by batch, from the
+    loss tracker as `train_on_batch` leaves it (it resets the tracker at
+    every call).
 
     Input wait is timed inside the train function: `fit` fetches each batch
     in its compiled step, where no host clock can see it, so the runtime
@@ -203,7 +219,8 @@ class DistributedLogger(keras.callbacks.Callback):
             training, into `<log_dir>/train/plugins/profile/`. Each batch is
             marked as a step, so xprof's overview shows step times.
         console: Defaults to `True`. Print a one-line summary per epoch on
-            the chief (after Keras's progress bar has finished its line).
+            the chief (after Keras's progress bar has finished its line);
+            `True` or `False`.
 
     Example:
 
