@@ -360,7 +360,7 @@ def test_global_step(tmp_path):
         ("train", "batch_loss"), ("train", "epoch_loss"),
         ("train", "epoch_learning_rate"),
         ("train", "epoch_steps_per_second"),
-        ("train", "batch_steps_per_second"), ("train", "batch_metric")}
+        ("train", "batch_steps_per_second")}
     assert steps(stock_series["train", "epoch_steps_per_second"]) == EPOCHS
     assert steps(stock_series["train", "batch_steps_per_second"]) == list(
         range(1, 11))
