@@ -63,3 +63,43 @@ def announced_writes(log_dir, epochs=100):
               callbacks=[DistributedLogger(log_dir, update_freq=1,
                                            console=False)])
     workers.hold_until_killed()
+
+
+def killed_and_resumed(log_dir, backup_dir, kill_after=None, epochs=2):
+    """Fits a plain model (8 batches per epoch) with `BackupAndRestore`
+    saving every batch and `DistributedLogger(update_freq=2)`; with
+    `kill_after`, SIGKILLs itself at the end of that global batch, once
+    its backup is committed (so the rerun resumes there), while the
+    logger's background writer (TensorBoard's events) is held in its
+    first write, as a first write that traces for seconds on a busy
+    machine is."""
+    import signal
+
+    import keras
+
+    from keras_mgpu.callbacks import BackupAndRestore, DistributedLogger
+    from keras_mgpu.callbacks import _sinks
+    from tests import workers
+
+    if kill_after is not None:
+        _sinks.Sinks._write = lambda self, records: workers.hold_until_killed()
+
+    trained = [0]
+
+    def on_train_batch_end(batch, logs):
+        trained[0] += 1
+        if trained[0] == kill_after:
+            workers.finish_backup_writes()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    keras.utils.set_random_seed(0)
+    x, y = workers.regression_data(64)
+    model = workers.build_mlp()
+    model.set_weights(workers.initial_weights(model))
+    model.compile("sgd", "mse")
+    model.fit(x, y, batch_size=8, epochs=epochs, verbose=0, shuffle=False,
+              callbacks=[BackupAndRestore(backup_dir, save_freq=1),
+                         DistributedLogger(log_dir, update_freq=2),
+                         keras.callbacks.LambdaCallback(
+                             on_train_batch_end=on_train_batch_end)])
+    return {"iterations": int(model.optimizer.iterations.numpy())}

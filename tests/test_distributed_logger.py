@@ -819,3 +819,212 @@ def test_the_input_bound_label_comes_from_the_number_shown_beside_it():
         "15.6% of step time (moderately input-bound)")
     assert input_wait_summary(0.01) == "1.0% of step time (not input-bound)"
     assert input_wait_summary(0.2001) == "20.0% of step time (highly input-bound)"
+
+
+def test_a_sigkilled_run_keeps_every_closed_record_and_the_rerun_continues(
+        run_workers, tmp_path):
+    """Killed after 13 batches (8 per epoch, windows of 2) on a machine
+    whose two cores run busy loops, with TensorBoard's writes held: the
+    JSONL has all 7 records closed by then (windows 2 to 12 and epoch 0's);
+    the resumed run goes on from step 13."""
+    log_dir, backup_dir = str(tmp_path / "logs"), str(tmp_path / "backup")
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            for _ in range(2)]
+    try:
+        [killed] = run_workers(
+            logger_workers.killed_and_resumed, num_workers=1, check=False,
+            kwargs={"log_dir": log_dir, "backup_dir": backup_dir,
+                    "kill_after": 13})
+        assert killed.returncode == -signal.SIGKILL, (
+            killed.returncode, killed.stderr[-3000:])
+        closed = [("window", s) for s in (2, 4, 6, 8)] + [("epoch", 8)] + [
+            ("window", 10), ("window", 12)]
+        assert [(r["kind"], r["step"]) for r in read_jsonl(log_dir)] == closed
+    finally:
+        for loop in busy:
+            loop.kill()
+            loop.wait()
+
+    [resumed] = run_workers(
+        logger_workers.killed_and_resumed, num_workers=1,
+        kwargs={"log_dir": log_dir, "backup_dir": backup_dir})
+    assert resumed.result["iterations"] == 16
+    records = read_jsonl(log_dir)
+    assert [(r["kind"], r["step"]) for r in records] == closed + [
+        ("resume", 13), ("window", 14), ("window", 16), ("epoch", 16)]
+    # Every step once: each window starts where the previous record (or
+    # the resume) left off.
+    windows = [r for r in records if r["kind"] in ("window", "resume")]
+    for before, record in zip(windows, windows[1:]):
+        if record["kind"] == "window":
+            assert record["step"] - record["steps"] == before["step"], (
+                before, record)
+
+
+# --- Hand-written loops -------------------------------------------------------
+
+
+def test_a_gradient_tape_loop_logs_the_losses_it_gives_as_tensorboard_does(
+        tmp_path):
+    """A `GradientTape` loop driving its callbacks through `CallbackList`
+    (the pattern docs/telemetry.md shows), with a compiled model whose
+    metrics the loop never feeds: the logger writes the losses the loop
+    gives, as Keras's `TensorBoard` in the same loop does."""
+    ours, stock = str(tmp_path / "ours"), str(tmp_path / "stock")
+    keras.utils.set_random_seed(0)
+    x, y = workers.regression_data(32)
+    model = workers.build_mlp()
+    optimizer = keras.optimizers.SGD(0.1)
+    model.compile(optimizer, "mse")
+    callbacks = keras.callbacks.CallbackList(
+        [DistributedLogger(ours, update_freq=2, console=False),
+         keras.callbacks.TensorBoard(stock, update_freq=2,
+                                     write_graph=False)], model=model)
+    given = []
+    callbacks.on_train_begin()
+    for epoch in range(2):
+        callbacks.on_epoch_begin(epoch)
+        for batch in range(4):
+            callbacks.on_train_batch_begin(batch)
+            xb, yb = x[8 * batch:8 * (batch + 1)], y[8 * batch:8 * (batch + 1)]
+            with tf.GradientTape() as tape:
+                loss = keras.ops.mean((model(xb) - yb) ** 2)
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply(grads, model.trainable_variables)
+            given.append(float(loss))
+            callbacks.on_train_batch_end(batch, {"loss": float(loss)})
+        callbacks.on_epoch_end(epoch, {"loss": float(loss)})
+    callbacks.on_train_end()
+
+    windows = [r for r in read_jsonl(ours) if r["kind"] == "window"]
+    assert [(r["step"], r["metrics"]) for r in windows] == [
+        (s, {"loss": pytest.approx(given[s - 1])}) for s in (2, 4, 6, 8)]
+    ours_loss = read_scalars(ours)["batch_loss"]
+    stock_loss = read_scalars(stock)["batch_loss"]
+    assert len(stock_loss) == 4, stock_loss
+    assert ours_loss == [(s, pytest.approx(v, rel=1e-6))
+                         for s, v in stock_loss]
+
+
+def test_train_on_batch_in_a_callback_list_counts_every_batch(tmp_path):
+    """`train_on_batch` resets Keras's loss tracker at each call: the
+    logger counts each batch's samples (8, 8 and 4) and logs the values the
+    loop gives."""
+    log_dir = str(tmp_path / "logs")
+    x, y = workers.regression_data(20)
+    model = workers.build_mlp()
+    model.compile("sgd", "mse")
+    callbacks = keras.callbacks.CallbackList(
+        [DistributedLogger(log_dir, update_freq=1, console=False)],
+        model=model)
+    given = []
+    callbacks.on_train_begin()
+    callbacks.on_epoch_begin(0)
+    for batch, (start, stop) in enumerate([(0, 8), (8, 16), (16, 20)]):
+        callbacks.on_train_batch_begin(batch)
+        logs = model.train_on_batch(x[start:stop], y[start:stop],
+                                    return_dict=True)
+        given.append(logs["loss"])
+        callbacks.on_train_batch_end(batch, logs)
+    callbacks.on_epoch_end(0, logs)
+    callbacks.on_train_end()
+    records = read_jsonl(log_dir)
+    assert [(r["kind"], r["step"], r["examples"]) for r in records] == [
+        ("window", 1, 8.0), ("window", 2, 8.0), ("window", 3, 4.0),
+        ("epoch", 3, 20.0)]
+    assert [r["metrics"]["loss"] for r in records[:3]] == pytest.approx(given)
+
+
+# --- One writer per log_dir -------------------------------------------------
+
+
+def test_console_must_be_a_bool(tmp_path):
+    with pytest.raises(TypeError, match=r"console must be True .* or False, "
+                                        r"got 'no'"):
+        DistributedLogger(str(tmp_path), console="no")
+
+
+def _tiny_fit(logger, callbacks=()):
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    model.fit(np.ones((16, 2)), np.ones((16, 1)), batch_size=8, epochs=1,
+              verbose=0, callbacks=[logger, *callbacks])
+
+
+def test_a_second_logger_on_a_log_dir_in_use_in_this_process_is_refused(
+        tmp_path):
+    """A fit on another thread holds the log_dir: a second logger's fit
+    there is refused before training; once that fit ends, it may continue
+    the file."""
+    import threading
+
+    log_dir = str(tmp_path / "logs")
+    held, go = threading.Event(), threading.Event()
+
+    def hold(batch, logs):
+        held.set()
+        go.wait(timeout=120)
+
+    first = threading.Thread(target=_tiny_fit, args=(
+        DistributedLogger(log_dir, update_freq=1, console=False),
+        [keras.callbacks.LambdaCallback(on_train_batch_end=hold)]))
+    first.start()
+    try:
+        assert held.wait(timeout=120)
+        from keras_mgpu.callbacks import LogDirInUse
+        with pytest.raises(LogDirInUse, match="another DistributedLogger's "
+                                              "fit in this process"):
+            _tiny_fit(DistributedLogger(log_dir, console=False))
+    finally:
+        go.set()
+        first.join(timeout=120)
+    assert not first.is_alive()
+    _tiny_fit(DistributedLogger(log_dir, update_freq=1, console=False))
+    assert [(r["kind"], r["step"]) for r in read_jsonl(log_dir)] == [
+        ("window", 1), ("window", 2), ("epoch", 2)] * 2
+
+
+_HOLDING_FIT = r"""
+import sys
+import numpy as np, keras
+from keras_mgpu.callbacks import DistributedLogger
+
+def hold(batch, logs):
+    print("HOLDING", flush=True)
+    sys.stdin.readline()
+
+model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+model.compile("sgd", "mse")
+model.fit(np.ones((16, 2)), np.ones((16, 1)), batch_size=8, epochs=1,
+          verbose=0, callbacks=[
+              DistributedLogger(sys.argv[1], update_freq=1, console=False),
+              keras.callbacks.LambdaCallback(on_train_batch_end=hold)])
+"""
+
+
+def test_a_log_dir_another_process_writes_is_refused_until_it_dies(
+        tmp_path):
+    import select
+
+    from keras_mgpu.callbacks import LogDirInUse
+
+    log_dir = str(tmp_path / "logs")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="-1")
+    child = subprocess.Popen(
+        [sys.executable, "-c", _HOLDING_FIT, log_dir], env=env, text=True,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        ready, _, _ = select.select([child.stdout], [], [], 120)
+        line = child.stdout.readline() if ready else ""
+        assert line == "HOLDING\n", (line, child.poll())
+        with pytest.raises(LogDirInUse, match="written by another process"):
+            _tiny_fit(DistributedLogger(log_dir, console=False))
+    finally:
+        child.kill()
+        _, stderr = child.communicate(timeout=60)
+    assert child.returncode == -signal.SIGKILL, stderr[-3000:]
+    # The system dropped the dead process's lock: this run writes (the
+    # refused fit wrote nothing, the child had closed no record).
+    _tiny_fit(DistributedLogger(log_dir, update_freq=1, console=False))
+    assert [(r["kind"], r["step"]) for r in read_jsonl(log_dir)] == [
+        ("window", 1), ("window", 2), ("epoch", 2)]

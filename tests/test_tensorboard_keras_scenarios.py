@@ -495,8 +495,9 @@ def test_non_blocking(tmp_path):
     hooks. Ours: no `.numpy()` call and no error either (it reads window
     metrics from the model, and converts the epoch logs to floats through
     NumPy's buffer protocol, not `.numpy`, once per epoch); it writes
-    epoch_metric = 1.0 and the learning rate, its steps/s, and no
-    `validation` run: test hooks outside `fit` are not logged."""
+    epoch_metric = 1.0 and the learning rate, its steps/s, the batch's
+    logs (a hand-driven list: the logs it is given, batch_metric = 1.0),
+    and no `validation` run: test hooks outside `fit` are not logged."""
     a, b = str(tmp_path / "stock"), str(tmp_path / "ours")
     drive_callback_list(keras.callbacks.TensorBoard(a))
     drive_callback_list(DistributedLogger(b, console=False))
@@ -511,7 +512,7 @@ def test_non_blocking(tmp_path):
     assert set(our_series) == {
         ("train", "epoch_metric"), ("train", "epoch_learning_rate"),
         ("train", "epoch_steps_per_second"),
-        ("train", "batch_steps_per_second")}
+        ("train", "batch_steps_per_second"), ("train", "batch_metric")}
     assert our_series["train", "epoch_metric"] == [(0, 1.0)]
     assert our_series["train", "epoch_learning_rate"] == [(0, lr)]
     assert steps(our_series["train", "batch_steps_per_second"]) == [1]
@@ -519,7 +520,7 @@ def test_non_blocking(tmp_path):
     with open(os.path.join(b, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
     assert [(r["kind"], r["metrics"]) for r in records] == [
-        ("window", {}), ("epoch", {"metric": 1.0})]
+        ("window", {"metric": 1.0}), ("epoch", {"metric": 1.0})]
 
 
 # --- 9. profiling ------------------------------------------------------------

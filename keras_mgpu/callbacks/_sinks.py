@@ -1,5 +1,6 @@
-"""The chief's outputs of `DistributedLogger`: JSONL, TensorBoard and wandb,
-written in order by one background thread."""
+"""The chief's outputs of `DistributedLogger`: a local JSONL file written by
+the caller, TensorBoard and wandb (and a URL's JSONL) written in order by one
+background thread."""
 
 from __future__ import annotations
 
@@ -31,12 +32,17 @@ class _Drain:
 
 
 class Sinks:
-    """The chief's outputs, written in order by one background thread.
+    """The chief's outputs: the JSONL file, TensorBoard and wandb.
 
-    Training only queues records. The thread takes every record waiting
-    and writes them together: JSONL lines in one write, TensorBoard events
-    in one compiled call, then wandb. A failed write is raised on the
-    training thread at the next `submit` or at `close`.
+    A local JSONL file is written by `submit` itself: the record's line is
+    written and flushed to the operating system before `submit` returns (a
+    few microseconds, no sync), so a killed process keeps every record
+    submitted before it died, whatever TensorBoard or wandb were doing.
+    Everything else is queued for one background thread, which takes every
+    record waiting and writes them together: a URL's JSONL lines in one
+    write, TensorBoard events in one compiled call, then wandb. A failed
+    write is raised on the training thread at once (local JSONL), or at the
+    next `submit` or at `close`.
 
     The thread runs while there is work: idle for `IDLE_SECONDS`, it
     flushes the outputs and exits, and `submit` starts another. It is not
@@ -61,6 +67,10 @@ class Sinks:
         self.run_writer("train")
         self._jsonl = _open_jsonl(tf.io.gfile.join(log_dir, "metrics.jsonl"))
         self._jsonl_local = not is_url(log_dir)
+        # `submit` may be called from Keras's callback thread (a hand-written
+        # loop's batch ends): one record at a time, in order.
+        self._submit_lock = threading.Lock()
+        self._held = None  # records whose background writes wait (`hold`)
         self._jsonl_flushed = time.monotonic()
         self._wandb_run = None
         if wandb_config is not None:
@@ -85,12 +95,40 @@ class Sinks:
         self._thread = None  # the latest writer thread
 
     def submit(self, record: dict) -> None:
-        self._raise_error()
-        self._put(record)
+        """Writes the record's local JSONL line now; queues the rest."""
+        with self._submit_lock:
+            self._raise_error()
+            if self._jsonl_local:
+                try:
+                    self._jsonl.write(json.dumps(record) + "\n")
+                    self._jsonl.flush()
+                except Exception as error:
+                    self._error = error
+                    self._raise_error()
+            if self._held is not None:
+                self._held.append(record)
+            else:
+                self._put(record)
+
+    def hold(self) -> None:
+        """Keeps the background writes of the next records (not their local
+        JSONL lines) until `release`: nothing of the logger's own runs
+        while a profile is captured."""
+        with self._submit_lock:
+            if self._held is None:
+                self._held = []
+
+    def release(self) -> None:
+        """Queues the background writes `hold` kept."""
+        with self._submit_lock:
+            held, self._held = self._held, None
+            for record in held or ():
+                self._put(record)
 
     def drain(self) -> None:
         """Returns once every queued record is written and flushed; the
         outputs stay open for the next `fit`."""
+        self.release()
         marker = _Drain()
         self._put(marker)
         thread = self._thread
@@ -103,6 +141,7 @@ class Sinks:
 
     def close(self) -> None:
         """Writes every queued record, then closes the outputs."""
+        self.release()
         with self._lock:
             idle = not self._running and self._queue.empty()
         if not idle:
@@ -172,7 +211,8 @@ class Sinks:
 
     def _flush(self) -> None:
         try:
-            self._jsonl.flush()
+            if not self._jsonl_local:  # a local one is flushed by `submit`
+                self._jsonl.flush()
             for writer in self.run_writers():
                 writer.flush()
         except Exception as error:  # raised on the training thread
@@ -205,7 +245,8 @@ class Sinks:
             return [writer for writer, _ in self._writers.values()]
 
     def _write(self, records: list) -> None:
-        self._jsonl.write("".join(json.dumps(r) + "\n" for r in records))
+        if not self._jsonl_local:
+            self._jsonl.write("".join(json.dumps(r) + "\n" for r in records))
         series = [tensorboard_scalars(r) for r in records]
         by_run = {}
         for entries in series:
@@ -218,12 +259,12 @@ class Sinks:
             self._writers[run][1](tf.constant(protos),
                                   tf.constant(steps, tf.int64))
         epoch = any(r["kind"] == "epoch" for r in records)
-        # Local JSONL lines reach the file before the next records are taken
-        # (no sync: cheap), so a SIGKILL loses only records still queued; the
-        # events file, at most its last second. A URL's flush uploads the
-        # whole file on object stores: flushed as the events file is.
+        # A URL's flush uploads the whole file on object stores: flushed as
+        # the events file is (a SIGKILL loses its last second, as it does
+        # the events file's).
         now = time.monotonic()
-        if self._jsonl_local or epoch or now - self._jsonl_flushed >= 1.0:
+        if not self._jsonl_local and (
+                epoch or now - self._jsonl_flushed >= 1.0):
             self._jsonl.flush()
             self._jsonl_flushed = now
         if epoch:

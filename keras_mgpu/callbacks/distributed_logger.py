@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import importlib.util
 import os
+import sys
+import threading
 import time
 import warnings
 import weakref
@@ -16,10 +19,11 @@ import numpy as np
 import tensorflow as tf
 
 from keras_mgpu import compat
-from keras_mgpu._checks import is_nonempty_path, is_positive_int
+from keras_mgpu._checks import is_nonempty_path, is_positive_int, is_url
 from keras_mgpu import strategy as strategy_lib
 from keras_mgpu.callbacks._console import print_msg as _print_msg
 from keras_mgpu.callbacks._sinks import Sinks
+from keras_mgpu.callbacks.backup_and_restore import _inside_fit
 from keras_mgpu.runtime import training_runtime
 
 # Every JSONL line has exactly these keys, in this order; a value that cannot
@@ -58,6 +62,10 @@ JSONL_KEYS = (
 _INSTALL_HINT = 'pip install "keras-mgpu[wandb]"'
 
 
+class LogDirInUse(RuntimeError):
+    """Another `DistributedLogger`'s `fit` is writing the `log_dir`."""
+
+
 @dataclasses.dataclass
 class _Span:
     """A window or an epoch being measured: where it started, what it ran."""
@@ -67,6 +75,7 @@ class _Span:
     steps: int = 0  # batches trained
     step_max: float = 0.0  # longest batch interval
     untimed: bool = False  # a batch ran without input timing
+    examples: float = 0.0  # samples counted batch by batch (hand loops)
 
     def add(self, steps: int, start: dict, now: float, timed: bool) -> None:
         if self.began is None:
@@ -132,14 +141,25 @@ class DistributedLogger(keras.callbacks.Callback):
     only hooks batch *begin*, so Keras does not convert per-batch logs for
     it and may dispatch other callbacks' batch ends asynchronously. A record
     closes at the next batch's begin (or at validation/epoch end): it reads
-    the metrics, which waits for the device, then stamps the time. Writing
-    (JSONL, TensorBoard, wandb) happens on a background thread, in order;
-    everything is on disk when `fit` returns. When `fit` raises instead,
+    the metrics, which waits for the device, then stamps the time.
+
+    Durability: a local JSONL file gets each record's line as the record
+    closes, written and flushed to the operating system by the training
+    thread (microseconds, no sync), so a killed process (SIGKILL included)
+    keeps every record closed before it died, whatever TensorBoard or wandb
+    were doing. TensorBoard and wandb (and a URL's JSONL) are written by a
+    background thread, in order: a kill loses what it had not written yet.
+    Everything is on disk when `fit` returns. When `fit` raises instead,
     the thread still writes and flushes every record queued before the
     error, then stops; fitting again with the same logger appends to the
-    same files. A local JSONL file has every line written before the next
-    record is taken: a killed run loses at most the records still queued,
-    and a torn last line is closed off by the next run.
+    same files, and a torn last line (a process killed mid-write) is
+    closed off by the next run.
+
+    One writer per `log_dir`: while a logger's `fit` runs, another logger's
+    `fit` on the same `log_dir` raises `LogDirInUse` before training (in
+    this process, or in another one on this machine for a local
+    `log_dir`), rather than interleave their records. One after the other
+    is fine: a resumed run continues the file.
 
     Records are stamped with the run's global step, kept by the training
     runtime this callback shares with `BackupAndRestore` and
@@ -153,11 +173,16 @@ class DistributedLogger(keras.callbacks.Callback):
 
     Examples are counted from Keras's loss tracker, which `fit` feeds with
     each batch's real size (the last short batch included). Where nothing
-    feeds it (a custom `train_step` that does not, a hand-written loop), a
-    record's `examples` is `null`; give `batch_size` to count them.
+    feeds it (a custom `train_step` that does not, a `GradientTape` loop),
+    a record's `examples` is `null`; give `batch_size` to count them.
 
     Works in a hand-written loop that drives its callbacks through
-    `keras.callbacks.CallbackList`, with or without `compile`.
+    `keras.callbacks.CallbackList`, with or without `compile`: there is no
+    compiled step to read, so a window's metrics are the `logs` the loop
+    passes to `on_train_batch_end` at the window's last batch (what Keras's
+    `TensorBoard` logs), and examples are counted batch by batch, from the
+    loss tracker as `train_on_batch` leaves it (it resets the tracker at
+    every call).
 
     Input wait is timed inside the train function: `fit` fetches each batch
     in its compiled step, where no host clock can see it, so the runtime
@@ -194,7 +219,8 @@ class DistributedLogger(keras.callbacks.Callback):
             training, into `<log_dir>/train/plugins/profile/`. Each batch is
             marked as a step, so xprof's overview shows step times.
         console: Defaults to `True`. Print a one-line summary per epoch on
-            the chief (after Keras's progress bar has finished its line).
+            the chief (after Keras's progress bar has finished its line);
+            `True` or `False`.
 
     Example:
 
@@ -226,7 +252,8 @@ class DistributedLogger(keras.callbacks.Callback):
         console: bool = True,
     ):
         super().__init__()
-        _validate(log_dir, update_freq, batch_size, wandb, profile_steps)
+        _validate(log_dir, update_freq, batch_size, wandb, profile_steps,
+                  console)
         self.log_dir = os.fspath(log_dir)
         self.update_freq = update_freq
         self.batch_size = batch_size
@@ -243,12 +270,16 @@ class DistributedLogger(keras.callbacks.Callback):
         self._reader = None  # (what it reads, the compiled read)
         self._profiling = False
         self._step_trace = None
-        self._held = []  # records closed while profiling, written after
         self._summary_step = None  # the chief's step for the model's summaries
         self._summary_ops = [False]  # whether a traced step had any
         self._summaries = False
         self._pending_console = None
         self._logged_resumes = set()
+        self._hand_loop = False  # driven by a hand-written loop, not `fit`
+        self._epoch = 0
+        self._last_batch = 0
+        self._given = None  # (epoch, batch, logs) of a hand loop's batch end
+        self._counting = False  # a hand-loop batch whose samples are unread
 
     def __deepcopy__(self, memo):
         # A copy (KerasTuner copies callbacks for every trial) is a new
@@ -268,6 +299,12 @@ class DistributedLogger(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         self._runtime = training_runtime(self.model)
         self._runtime.train_begin(self)
+        # `fit` reads Keras's compiled step; a hand-written loop (driving a
+        # `CallbackList` itself, `train_on_batch` included) gives its values
+        # in the logs of each batch end. Once per `fit`: a walk up the stack.
+        self._hand_loop = not _inside_fit(sys._getframe(), self.model)
+        self._given = None
+        self._counting = False
         self._runtime.time_input()
         self._strategy = self.model.distribute_strategy
         multi = strategy_lib.is_multi_worker(self._strategy)
@@ -291,6 +328,10 @@ class DistributedLogger(keras.callbacks.Callback):
         # take this fit's records after the ones it wrote.
         self._stop_profiler()
         self._leave_summary_scope()
+        if self._chief:
+            # Before the outputs are opened: opening closes off a torn line,
+            # which must not happen under a live writer.
+            _claim_log_dir(self)
         if self._chief and self._sinks is None:
             self._sinks = Sinks(self.log_dir, self.wandb_config)
             if self.wandb_config is None:
@@ -328,6 +369,7 @@ class DistributedLogger(keras.callbacks.Callback):
         last = self._last_begin
         if last is not None and now - last > self._window.step_max:
             self._window.step_max = now - last
+        self._count_hand_batch()
         # Windows are aligned to multiples of `update_freq` batches in the
         # epoch, so a resumed run's records fall where the original's did.
         window_id = batch // self._freq
@@ -343,6 +385,8 @@ class DistributedLogger(keras.callbacks.Callback):
                 or batch + 1 == (self.params or {}).get("steps"))
         steps = runtime.global_step - runtime.completed_steps
         timed = runtime.input_timed
+        self._last_batch = batch
+        self._counting = self._hand_loop
         self._window.add(steps, self._last, now, timed)
         self._epoch_span.add(steps, self._last, now, timed)
         if self._profile:
@@ -351,10 +395,18 @@ class DistributedLogger(keras.callbacks.Callback):
                 now = time.perf_counter()
         self._last_begin = now
 
+    def on_train_batch_end(self, batch, logs=None):
+        # In `fit`, nothing: a record reads the compiled step. Keras calls
+        # batch ends in order, before the next batch begins (on TensorFlow
+        # it never dispatches them to another thread).
+        if self._hand_loop:
+            self._given = (self._epoch, batch, _floats(logs or {}))
+
     def on_test_begin(self, logs=None):
         # Validation runs after the epoch's last batch and before
         # `on_epoch_end`: close the training figures before it starts (and
         # before `evaluate` resets the metrics).
+        self._count_hand_batch()
         self._runtime.test_begin()
         self._end_step_trace()
         if self._in_epoch and self._epoch_record is None:
@@ -364,6 +416,7 @@ class DistributedLogger(keras.callbacks.Callback):
             self._sinks.run_writer("validation")  # on this thread: see there
 
     def on_epoch_end(self, epoch, logs=None):
+        self._count_hand_batch()
         self._runtime.epoch_end(epoch)
         self._end_step_trace()
         self._record_summaries(False)
@@ -388,24 +441,22 @@ class DistributedLogger(keras.callbacks.Callback):
         self._flush_console()
         if self._sinks is None:
             return
-        if self.wandb_config is None:
-            try:
-                self._sinks.drain()  # everything on disk when `fit` returns
-            except RuntimeError:
+        try:
+            if self.wandb_config is None:
+                try:
+                    self._sinks.drain()  # everything on disk when `fit` returns
+                except RuntimeError:
+                    self._close_sinks()
+                    raise
+            else:
+                # One wandb run per `fit`, finished with it.
                 self._close_sinks()
-                raise
-        else:
-            # One wandb run per `fit`, finished with it.
-            self._close_sinks()
+        finally:
+            _release_log_dir(self)
 
     # --- Records -------------------------------------------------------------
 
     def _submit(self, record: dict) -> None:
-        if self._profiling:
-            # Nothing of the logger's own in the profile: its writes (the
-            # first traces the event writer) can hide xprof's step markers.
-            self._held.append(record)
-            return
         try:
             self._sinks.submit(record)
         except RuntimeError:
@@ -415,6 +466,30 @@ class DistributedLogger(keras.callbacks.Callback):
             with contextlib.suppress(Exception):
                 self._close_sinks()
             raise
+
+    def _count_hand_batch(self) -> None:
+        """Adds the samples of the hand-loop batch just trained to its
+        window and epoch: what Keras's loss tracker holds after it, as
+        `train_on_batch` leaves it (it resets the tracker at every call).
+        Nothing for a step that does not feed it (a `GradientTape` step)."""
+        if not self._counting:
+            return
+        self._counting = False
+        seen = compat.examples_seen(self.model)
+        if seen:
+            self._window.examples += seen
+            self._epoch_span.examples += seen
+
+    def _hand_loop_metrics(self, read: dict, window: _Span) -> dict:
+        """A hand-written loop's window metrics: the logs it gave at the
+        window's last batch end, as Keras's `TensorBoard` logs them. Without
+        them, the model's metrics where its steps fed them
+        (`train_on_batch`), else none (a `GradientTape` step leaves them at
+        0, which is not a loss)."""
+        given = self._given
+        if given and given[:2] == (self._epoch, self._last_batch) and given[2]:
+            return given[2]
+        return read if window.examples else {}
 
     def _close_sinks(self) -> None:
         sinks, self._sinks = self._sinks, None
@@ -465,9 +540,12 @@ class DistributedLogger(keras.callbacks.Callback):
             m.update(_across_workers(gathered[:, i * width:(i + 1) * width]))
         common = self._shared_fields(read, counters)
         if self.update_freq != "epoch" and self._chief:
+            metrics = read["metrics"]
+            if self._hand_loop:
+                metrics = self._hand_loop_metrics(metrics, window)
             self._submit(_record("window", self._epoch,
                                  counters.global_step, measured[0],
-                                 common, read["metrics"]))
+                                 common, metrics))
         if final:
             self._epoch_record = _record("epoch", self._epoch,
                                          counters.global_step, measured[1],
@@ -489,6 +567,8 @@ class DistributedLogger(keras.callbacks.Callback):
         start = span.start
         if self.batch_size is not None:
             examples = float(self.batch_size * span.steps)
+        elif self._hand_loop:
+            examples = span.examples
         elif state["samples"] is not None:
             examples = state["samples"] - start["samples"]
         else:
@@ -671,6 +751,10 @@ class DistributedLogger(keras.callbacks.Callback):
                     tf.io.gfile.join(self.log_dir, "train")
                 )
                 self._profiling = True
+                # Nothing of the logger's own in the profile: its background
+                # writes (the first traces the event writer) can hide
+                # xprof's step markers. JSONL lines are still written.
+                self._sinks.hold()
             except tf.errors.AlreadyExistsError:
                 warnings.warn(
                     "DistributedLogger: another profiler is running; "
@@ -698,16 +782,116 @@ class DistributedLogger(keras.callbacks.Callback):
         if self._profiling:
             tf.profiler.experimental.stop()
             self._profiling = False
-        held, self._held = self._held, []
         if self._sinks is not None:
-            for record in held:
-                self._submit(record)
+            self._sinks.release()
+
+
+# --- One writer per log_dir ----------------------------------------------------
+
+# The logger whose `fit` writes each log_dir in this process.
+_CLAIMS = {}
+_CLAIMS_LOCK = threading.Lock()
+
+
+@dataclasses.dataclass
+class _Claim:
+    logger: weakref.ref
+    thread: int  # the thread running its `fit`
+    lock: Optional[object]  # a local metrics.jsonl, open and flock'ed
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.close()  # unlocks
+            self.lock = None
+
+
+def _claim_log_dir(logger) -> None:
+    """Makes `logger` the one writer of its log_dir while its `fit` runs,
+    or raises `LogDirInUse`.
+
+    Two loggers writing one log_dir at once would interleave their records
+    in one `metrics.jsonl` and write TensorBoard events at the same steps:
+    refused, not separated, since the layout (`metrics.jsonl`, `train/`,
+    `validation/`) is what readers and a resumed run rely on. One after the
+    other is allowed: a resumed run continues the file. In this process a
+    claim ends with its `fit`; a `fit` that raised (no `on_train_end`) ends
+    it when its thread starts another `fit` or ends, or when its logger is
+    dropped. Across processes, a local log_dir's `metrics.jsonl` is locked
+    (`flock`, released by the system when the process dies, SIGKILL too);
+    for a URL only this process is checked.
+    """
+    log_dir = logger.log_dir
+    local = not is_url(log_dir)
+    key = os.path.realpath(log_dir) if local else log_dir
+    here = threading.get_ident()
+    with _CLAIMS_LOCK:
+        claim = _CLAIMS.get(key)
+        if claim is not None:
+            holder = claim.logger()
+            if holder is logger:
+                claim.thread = here
+                return
+            if (holder is not None and claim.thread != here
+                    and any(t.ident == claim.thread
+                            for t in threading.enumerate())):
+                raise LogDirInUse(
+                    f"DistributedLogger: log_dir {log_dir!r} is being "
+                    f"written by another DistributedLogger's fit in this "
+                    f"process (thread {claim.thread}). {_IN_USE_HINT}")
+            claim.release()
+            del _CLAIMS[key]
+        lock = None
+        if local:
+            os.makedirs(log_dir, exist_ok=True)
+            path = os.path.join(log_dir, "metrics.jsonl")
+            lock = open(path, "a")
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                lock.close()
+                raise LogDirInUse(
+                    f"DistributedLogger: log_dir {log_dir!r} is being "
+                    f"written by another process ({path} is locked; "
+                    f"`fuser -v {path}` names it). {_IN_USE_HINT}") from None
+        _CLAIMS[key] = _Claim(
+            weakref.ref(logger, lambda _, key=key: _drop_claim(key)),
+            here, lock)
+
+
+_IN_USE_HINT = (
+    "Two loggers writing one log_dir would interleave their records. Give "
+    "this logger another log_dir, or start it once that fit has ended "
+    "(continuing a run, e.g. after a resume, in the same log_dir is fine).")
+
+
+def _drop_claim(key: str) -> None:
+    """A claiming logger was dropped (its `fit` raised): unlock."""
+    with _CLAIMS_LOCK:
+        claim = _CLAIMS.get(key)
+        if claim is not None and claim.logger() is None:
+            claim.release()
+            del _CLAIMS[key]
+
+
+def _release_log_dir(logger) -> None:
+    with _CLAIMS_LOCK:
+        for key, claim in list(_CLAIMS.items()):
+            if claim.logger() is logger:
+                claim.release()
+                del _CLAIMS[key]
 
 
 # --- Helpers -----------------------------------------------------------------
 
 
-def _validate(log_dir, update_freq, batch_size, wandb, profile_steps) -> None:
+def _validate(log_dir, update_freq, batch_size, wandb, profile_steps,
+              console) -> None:
+    if not isinstance(console, bool):
+        raise TypeError(
+            f"console must be True (print a line per epoch) or False, got "
+            f"{console!r} (a non-empty string such as 'no' would count as "
+            f"True)."
+        )
     if not is_nonempty_path(log_dir):
         raise TypeError(
             f"log_dir must be a non-empty path, got {log_dir!r}."
