@@ -470,6 +470,8 @@ def _parse(raw):
 
 
 def _kind(mode: int) -> str:
+    # Not keras_mgpu._checks.file_kind: this module imports only the
+    # standard library.
     for test, kind in ((stat.S_ISDIR, "a directory"),
                        (stat.S_ISFIFO, "a named pipe (FIFO)"),
                        (stat.S_ISSOCK, "a socket"),
