@@ -204,8 +204,8 @@ def _warn_stale_shards(directory: str, name: str, paths: list) -> None:
                    if ours.fullmatch(n) and n not in written)
     if stale:
         warnings.warn(
-            f"write_tfrecords: {directory!r} still holds {len(stale)} shard(s) "
-            f"of an earlier write, not listed in the new {SPEC_FILE} "
+            f"write_tfrecords: {directory!r} still holds {len(stale)} "
+            f"shard(s) of an earlier write, not listed in the new {SPEC_FILE} "
             f"({', '.join(stale[:3])}{', ...' if len(stale) > 3 else ''}). "
             "tfrecord_dataset refuses a pattern that matches them: delete "
             f"them, or read only the new ones ('{name}-*-of-"
