@@ -2,6 +2,7 @@
 
 import numbers
 import os
+import stat
 
 import numpy as np
 
@@ -39,3 +40,17 @@ def is_url(path: str) -> bool:
 def is_nonempty_path(value) -> bool:
     """Whether `value` is a `str` or `os.PathLike` naming something."""
     return isinstance(value, (str, os.PathLike)) and bool(os.fspath(value))
+
+
+def file_kind(mode: int) -> str:
+    """What a file of `st_mode` `mode` is, for a message: "a directory", ..."""
+    for test, kind in ((stat.S_ISREG, "a regular file"),
+                       (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISFIFO, "a named pipe (FIFO)"),
+                       (stat.S_ISLNK, "a symbolic link"),
+                       (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return kind
+    return f"a special file (mode {mode:o})"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import stat
 import uuid
 import warnings
 import weakref
@@ -13,15 +15,24 @@ import numpy as np
 import tensorflow as tf
 
 from keras_mgpu._checks import (
+    file_kind,
     is_flag,
     is_integer,
     is_nonempty_path,
+    is_positive_int,
     is_positive_integer,
+    is_url,
 )
 from keras_mgpu import strategy as strategy_lib
 
 SPEC_FILE = "spec.json"
 SPEC_VERSION = 2  # 2: nested structures (a tree of tuples and dicts)
+# Shard numbers have five digits in the file names, which then sort in order.
+_MAX_SHARDS = 99_999
+# Tuples, lists and dicts nested deeper are refused: walking them (and
+# decoding spec.json) recurses once per level.
+_MAX_DEPTH = 100
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 
 
 def write_tfrecords(
@@ -42,6 +53,9 @@ def write_tfrecords(
     The shards are written under temporary names and renamed, with
     `spec.json` written last, only once every example is written: a write
     that is refused or fails leaves no shards or spec of its own behind.
+    `spec.json` also lists the shards with the examples and bytes of each,
+    so a reader finds a shard that is missing, cut short or left from an
+    earlier write into the folder.
 
     Args:
         data: A single array, or a structure of equally long arrays
@@ -53,12 +67,14 @@ def write_tfrecords(
             `tf.data` element cannot hold a list), any mapping as a
             `dict`. Leaves are bool, integer, floating, complex or string
             (read back as `tf.string`) and have one shape in every example;
-            ragged and sparse tensors are refused.
+            ragged and sparse tensors are refused. At most 100 levels of
+            nesting.
         directory: Where the shards and `spec.json` go (any `tf.io.gfile`
             path, a `str` or `os.PathLike`). Created if missing.
-        num_shards: Defaults to 8. Number of files, a positive integer; use
-            at least as many as the workers that will read them, so each
-            worker reads its own.
+        num_shards: Defaults to 8. Number of files, a positive integer, at
+            most the number of examples (no shard is empty) and at most
+            99,999; use at least as many as the workers that will read
+            them, so each worker reads its own.
         name: Defaults to `"data"`. File name prefix: a plain file-name stem
             (no `/` or `\\`, not `"."` or `".."`), so every shard lands in
             `directory`.
@@ -70,7 +86,8 @@ def write_tfrecords(
         ValueError: Arrays with different numbers of examples (naming each
             leaf's path, e.g. `[1][0]` or `b.c`, and its length), a batched
             dataset (a leaf whose first dimension is unknown), an element
-            whose shape differs from the first element's, or no examples.
+            whose shape differs from the first element's, no examples,
+            more shards than examples, or nesting deeper than 100 levels.
         TypeError: Ragged or sparse tensors, namedtuples, non-`str` dict
             keys, or a dtype that cannot be written (e.g. `object`).
 
@@ -83,8 +100,8 @@ def write_tfrecords(
     >>> [p.rsplit("/", 1)[-1] for p in paths]
     ['data-00000-of-00002.tfrecord', 'data-00001-of-00002.tfrecord']
     >>> _ = write_tfrecords({"x": np.ones((10, 3)),
-    ...                      "y": (np.arange(10), np.zeros(10))}, d)
-    >>> read_spec(d)["structure"]
+    ...                      "y": (np.arange(10), np.zeros(10))}, d + "/b")
+    >>> read_spec(d + "/b")["structure"]
     {'dict': [['x', 'f0'], ['y', {'tuple': ['f1', 'f2']}]]}
     """
     directory = _check_directory(directory)
@@ -93,9 +110,20 @@ def write_tfrecords(
             f"num_shards must be a positive integer, got {num_shards!r}. "
             "Use at least as many shards as the workers that will read them."
         )
+    if num_shards > _MAX_SHARDS:
+        raise ValueError(
+            f"num_shards must be at most {_MAX_SHARDS:,} (shard numbers have "
+            f"five digits in the file names), got {num_shards!r}. A shard "
+            "should hold many examples: e.g. aim at 100 MB per shard, and at "
+            "least as many shards as the workers that will read them."
+        )
     num_shards = int(num_shards)
     _check_stem(name)
-    dataset, structure, fields = _as_dataset(data)
+    dataset, structure, fields, known = _as_dataset(data)
+    if known == 0:
+        raise ValueError("write_tfrecords got no examples to write.")
+    if known is not None:
+        _check_shard_count(num_shards, known)
     paths = [
         f"{directory}/{name}-{i:05d}-of-{num_shards:05d}.tfrecord"
         for i in range(num_shards)
@@ -105,11 +133,12 @@ def write_tfrecords(
     partials = [p + suffix for p in paths] + [spec_path + suffix]
     created = not tf.io.gfile.isdir(directory or "/")
     tf.io.gfile.makedirs(directory or "/")
-    renamed = []
+    opened, renamed = [], []
     try:
-        shapes, count = _write_shards(dataset, fields, partials[:-1])
+        shapes, count = _write_shards(dataset, fields, partials[:-1], opened)
         if count == 0:
             raise ValueError("write_tfrecords got no examples to write.")
+        _check_shard_count(num_shards, count)
         spec = {
             "version": SPEC_VERSION,
             "structure": structure,
@@ -119,6 +148,9 @@ def write_tfrecords(
             },
             "num_examples": count,
             "files": [p.rsplit("/", 1)[-1] for p in paths],
+            "examples_per_file": _round_robin(count, num_shards),
+            "bytes_per_file": [
+                tf.io.gfile.stat(p).length for p in partials[:-1]],
         }
         with tf.io.gfile.GFile(partials[-1], "w") as f:
             f.write(json.dumps(spec, indent=1))
@@ -130,7 +162,7 @@ def write_tfrecords(
             tf.io.gfile.rename(partial, path, overwrite=True)
             renamed.append(path)
     except BaseException:
-        for path in partials + renamed:
+        for path in opened + partials[-1:] + renamed:
             try:
                 if tf.io.gfile.exists(path):
                     tf.io.gfile.remove(path)
@@ -142,7 +174,44 @@ def write_tfrecords(
         except tf.errors.OpError:
             pass
         raise
+    _warn_stale_shards(directory, name, paths)
     return paths
+
+
+def _check_shard_count(num_shards: int, examples: int) -> None:
+    if num_shards > examples:
+        raise ValueError(
+            f"num_shards={num_shards} is more than the {examples} examples "
+            f"to write: {num_shards - examples} shard(s) would be empty. Use "
+            f"num_shards={examples} or fewer (and at least as many as the "
+            "workers that will read them). Nothing was written."
+        )
+
+
+def _round_robin(examples: int, shards: int) -> list:
+    """How many of `examples` each of `shards` holds when dealt round-robin."""
+    return [examples // shards + (i < examples % shards)
+            for i in range(shards)]
+
+
+def _warn_stale_shards(directory: str, name: str, paths: list) -> None:
+    # Shards of an earlier write with another count keep their names; the
+    # new spec.json does not list them, and a reader refuses a pattern
+    # matching them. Named now, but not deleted: they are the user's files.
+    ours = re.compile(re.escape(name) + r"-\d{5}-of-\d{5}\.tfrecord")
+    written = {p.rsplit("/", 1)[-1] for p in paths}
+    stale = sorted(n for n in tf.io.gfile.listdir(directory or "/")
+                   if ours.fullmatch(n) and n not in written)
+    if stale:
+        warnings.warn(
+            f"write_tfrecords: {directory!r} still holds {len(stale)} "
+            f"shard(s) of an earlier write, not listed in the new {SPEC_FILE} "
+            f"({', '.join(stale[:3])}{', ...' if len(stale) > 3 else ''}). "
+            "tfrecord_dataset refuses a pattern that matches them: delete "
+            f"them, or read only the new ones ('{name}-*-of-"
+            f"{len(paths):05d}.tfrecord').",
+            stacklevel=3,
+        )
 
 
 def read_spec(directory: str) -> dict:
@@ -152,14 +221,18 @@ def read_spec(directory: str) -> dict:
         directory: The folder of the shards (a `str` or `os.PathLike`).
 
     Returns:
-        The spec: `version` (2), `structure`, `features`, `num_examples` and
-        `files`. `structure` is the nesting written, as JSON: a feature name
+        The spec: `version` (2), `structure`, `features`, `num_examples`,
+        `files`, `examples_per_file` and, if recorded, `bytes_per_file`.
+        `structure` is the nesting written, as JSON: a feature name
         (`"f0"`, a leaf), `{"tuple": [...]}` or `{"dict": [[key, ...],
         ...]}` (keys in order). `features` maps each feature name to its
-        `dtype` and per-example `shape`. A spec that is not valid JSON, lacks
-        what the reader needs, or has another version (version 1, written
-        before nested structures, included) is a `ValueError` naming the
-        file.
+        `dtype` and per-example `shape`. `files` names the shards, and
+        `examples_per_file` and `bytes_per_file` give each one's examples
+        and size (a spec written before they were recorded gets the
+        examples from the round-robin dealing, and no sizes). A spec that is
+        not a regular file, not valid JSON, lacks what the reader needs, or
+        has another version (version 1, written before nested structures,
+        included) is a `ValueError` naming the file.
     """
     path = f"{_check_directory(directory)}/{SPEC_FILE}"
     if not tf.io.gfile.exists(path):
@@ -168,10 +241,11 @@ def read_spec(directory: str) -> dict:
             "keras_mgpu.data.write_tfrecords, which saves the spec beside "
             "them."
         )
-    with tf.io.gfile.GFile(path, "rb") as f:
-        raw = f.read()
+    raw = _read_regular_file(path)
     try:
         spec = json.loads(raw)
+    except RecursionError:
+        raise _bad_spec(path, "nested too deep to decode") from None
     except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
         raise _bad_spec(path, f"not valid JSON: {e}") from None
     if not isinstance(spec, dict):
@@ -191,7 +265,31 @@ def read_spec(directory: str) -> dict:
     problem = _spec_problem(spec)
     if problem:
         raise _bad_spec(path, problem)
+    if "examples_per_file" not in spec:  # written before it was recorded
+        spec["examples_per_file"] = _round_robin(spec["num_examples"],
+                                                 len(spec["files"]))
     return spec
+
+
+def _read_regular_file(path: str) -> bytes:
+    """The bytes of `path`; a `ValueError` naming it if it is not a regular
+    file. Never blocks on a FIFO (reading one waits for a writer)."""
+    if is_url(path):
+        with tf.io.gfile.GFile(path, "rb") as f:
+            return f.read()
+    _check_regular(path, os.stat(path).st_mode)
+    with os.fdopen(os.open(path, os.O_RDONLY | _NONBLOCK), "rb") as f:
+        _check_regular(path, os.fstat(f.fileno()).st_mode)  # replaced since?
+        return f.read()
+
+
+def _check_regular(path: str, mode: int) -> None:
+    if not stat.S_ISREG(mode):
+        raise ValueError(
+            f"{path!r} is {file_kind(mode)}, not a regular file: "
+            "keras_mgpu.data reads the shards and their spec.json as "
+            "files. Replace it with the file write_tfrecords wrote."
+        )
 
 
 def _bad_spec(path: str, problem: str) -> ValueError:
@@ -208,10 +306,14 @@ def _spec_problem(spec: dict) -> Optional[str]:
     if missing:
         return f"missing key(s) {missing}"
     structure, features = spec["structure"], spec["features"]
+    if _depth_beyond(structure, _MAX_DEPTH, spec_tree=True):
+        return f"'structure' is nested more than {_MAX_DEPTH} levels deep"
     try:
         names = _flat_names(structure)
-    except (ValueError, RecursionError) as e:
+    except ValueError as e:
         return f"'structure' is {structure!r}: {e}"
+    if not names:
+        return f"'structure' is {structure!r}, which holds no feature"
     if len(set(names)) != len(names):
         return f"'structure' names a feature twice: {names}"
     if not isinstance(features, dict):
@@ -226,6 +328,32 @@ def _spec_problem(spec: dict) -> Optional[str]:
             tf.TensorShape(feature["shape"])
         except (TypeError, KeyError, ValueError):
             return f"feature {n!r} is {feature!r}"
+    return _files_problem(spec)
+
+
+def _files_problem(spec: dict) -> Optional[str]:
+    """What is wrong with the shard list of `spec`, or `None`."""
+    missing = [k for k in ("num_examples", "files") if k not in spec]
+    if missing:
+        return f"missing key(s) {missing}"
+    files, examples = spec["files"], spec["num_examples"]
+    if not (isinstance(files, list) and files and all(
+            isinstance(f, str) and _is_stem(f) for f in files)
+            and len(set(files)) == len(files)):
+        return f"'files' is {files!r}, not a list of distinct file names"
+    if not is_positive_int(examples):
+        return f"'num_examples' is {examples!r}"
+    for key in ("examples_per_file", "bytes_per_file"):
+        counts = spec.get(key, [])
+        if key in spec and not (
+                isinstance(counts, list) and len(counts) == len(files)
+                and all(is_integer(c) and c >= 0 for c in counts)):
+            return (f"{key!r} is {counts!r}, not one count for each of the "
+                    f"{len(files)} files")
+    if sum(spec.get("examples_per_file", [examples])) != examples:
+        return (f"'examples_per_file' adds up to "
+                f"{sum(spec['examples_per_file'])}, 'num_examples' is "
+                f"{examples}")
     return None
 
 
@@ -264,6 +392,8 @@ def tfrecord_dataset(
         strategy: Defaults to `None`, the strategy of the current scope;
             outside every scope, `None` raises `ValueError` (pass the
             strategy, or `tf.distribute.get_strategy()` for one device).
+            Anything but a `tf.distribute.Strategy` or `None` is a
+            `TypeError`.
         shuffle: Defaults to `False`. Shuffle the files and the examples,
             differently each epoch (deterministically, given `seed`).
         seed: Defaults to `None`. Integer seed for the shuffles.
@@ -275,10 +405,15 @@ def tfrecord_dataset(
         drop_remainder: Defaults to `None`: `True` with several workers,
             else `False`. `shuffle`, `cache`, `repeat` and `drop_remainder`
             take `True` or `False` only.
-        verify: Defaults to `"first"`: parse each file's first record now,
-            so a spec mismatch fails here, naming the file. `"all"`: also
-            read every record, so a corrupt one fails here, naming its file
-            and index. `"none"`: check nothing up front.
+        verify: Defaults to `"first"`: compare the files with the
+            `spec.json` of their folder (a file it does not list, e.g. left
+            from an earlier write with more shards; a listed one missing;
+            one whose size differs, i.e. cut short or changed) and parse
+            each file's first record now, so a spec mismatch fails here,
+            naming the file. `"all"`: also read every record, so a corrupt
+            one, or a file holding fewer examples than its spec says, fails
+            here, naming the file (and the record's index). `"none"`: check
+            nothing up front.
         num_parallel_calls: Defaults to `tf.data.AUTOTUNE`. Parallelism
             of reading, parsing and `map_fn`: a positive integer or
             `tf.data.AUTOTUNE`.
@@ -342,21 +477,23 @@ def tfrecord_dataset(
         raise TypeError(
             f"map_fn must be a function of one parsed example, got {map_fn!r}."
         )
+    strategy = strategy_lib.require_strategy(
+        strategy,
+        f"tfrecord_dataset(per_replica_batch_size={per_replica_batch_size})",
+    )
     files = sorted(tf.io.gfile.glob(pattern))
     if not files:
         raise FileNotFoundError(
             f"No files match {pattern!r}. Check the path, or write shards "
             "with keras_mgpu.data.write_tfrecords."
         )
-    spec = read_spec(_folder(files[0]))
-    parse = _parser(spec)
-    if verify != "none":
-        _verify(files, parse, read_all=verify == "all")
+    if verify == "none":
+        parse = _parser(read_spec(_folder(files[0])))
+    else:
+        spec, expected = _check_files(files)
+        parse = _parser(spec)
+        _verify(files, parse, expected, read_all=verify == "all")
 
-    strategy = strategy_lib.require_strategy(
-        strategy,
-        f"tfrecord_dataset(per_replica_batch_size={per_replica_batch_size})",
-    )
     workers = strategy_lib.num_workers() if strategy_lib.is_multi_worker(
         strategy
     ) else 1
@@ -399,6 +536,22 @@ def tfrecord_dataset(
 def verify_tfrecords(pattern: str) -> int:
     """Reads and parses every record; returns the count, or names the bad one.
 
+    Checks what `tfrecord_dataset(..., verify="all")` checks: every file is
+    one its folder's `spec.json` lists, every file it lists is there, with
+    its size, and holds as many examples as the spec says; every record
+    parses.
+
+    Args:
+        pattern: Glob of the shard files, e.g. `"data/train-*.tfrecord"`.
+
+    Returns:
+        The number of examples in the files that match.
+
+    Raises:
+        ValueError: Naming the file at fault (and the record, if one is
+            corrupt or does not match the spec).
+        FileNotFoundError: No file matches, or a folder has no `spec.json`.
+
     Example:
 
     >>> import numpy as np, tempfile
@@ -411,8 +564,8 @@ def verify_tfrecords(pattern: str) -> int:
     files = sorted(tf.io.gfile.glob(pattern))
     if not files:
         raise FileNotFoundError(f"No files match {pattern!r}.")
-    parse = _parser(read_spec(_folder(files[0])))
-    return _verify(files, parse, read_all=True)
+    spec, expected = _check_files(files)
+    return _verify(files, _parser(spec), expected, read_all=True)
 
 
 class UnknownLengthWarning(UserWarning):
@@ -573,8 +726,7 @@ def _check_stem(name) -> None:
         raise TypeError(
             f"name must be a str (the shard file-name prefix), got {name!r}."
         )
-    if (not name or name in (".", "..") or "/" in name or "\\" in name
-            or "\0" in name):
+    if not _is_stem(name):
         # The name is joined to the directory, so "../x" or "a/b" would
         # write outside it, where no spec.json describes the shards.
         raise ValueError(
@@ -582,6 +734,12 @@ def _check_stem(name) -> None:
             f"'/', '\\' or NUL and not '', '.' or '..', got {name!r}. "
             "Choose the folder with `directory` instead."
         )
+
+
+def _is_stem(name: str) -> bool:
+    """Whether `name` is a plain file name, which stays in its folder."""
+    return not (not name or name in (".", "..") or "/" in name
+                or "\\" in name or "\0" in name)
 
 
 def _check_pattern(pattern) -> str:
@@ -599,12 +757,94 @@ def _folder(path: str) -> str:
     return os.path.dirname(path) or "."
 
 
-def _verify(files, parse, read_all: bool) -> int:
+def _check_files(files: list):
+    """Checks `files` against the `spec.json` of their folders.
+
+    Returns the first folder's spec (every folder's must describe the same
+    examples) and each file's expected number of examples. Raises a
+    `ValueError` naming the file at fault: one the spec does not list, a
+    listed one that is missing, one of another size than recorded, or
+    anything but a regular file (which the reader would block on).
+    """
+    folders = {}
+    for path in files:
+        folders.setdefault(_folder(path), []).append(path)
+    first, expected = None, {}
+    for folder, paths in folders.items():
+        spec = read_spec(folder)
+        spec_path = f"{folder.rstrip('/')}/{SPEC_FILE}"
+        if first is None:
+            first = spec, spec_path
+        elif [spec[k] for k in ("structure", "features")] != [
+                first[0][k] for k in ("structure", "features")]:
+            raise ValueError(
+                f"The shards of {spec_path!r} hold other examples than those "
+                f"of {first[1]!r} (another structure, dtype or shape): one "
+                "dataset reads shards of one kind. Read each folder with its "
+                "own pattern."
+            )
+        listed = dict(zip(spec["files"], spec["examples_per_file"]))
+        sizes = dict(zip(spec["files"], spec.get("bytes_per_file", [])))
+        names = {path.rsplit("/", 1)[-1]: path for path in paths}
+        unlisted = sorted(n for n in names if n not in listed)
+        if unlisted:
+            more = (f" (and {len(unlisted) - 1} more)" if len(unlisted) > 1
+                    else "")
+            raise ValueError(
+                f"{names[unlisted[0]]!r}{more} matches the pattern, but "
+                f"{spec_path!r} does not list it: "
+                f"it holds {len(listed)} files, {spec['files'][0]!r} to "
+                f"{spec['files'][-1]!r}. It is left from an earlier "
+                "write_tfrecords into this folder (e.g. with more shards), or "
+                "is not one of its shards: reading it would mix in examples "
+                "the spec does not count. Delete it, or use a pattern that "
+                "matches only the listed files."
+            )
+        for name in spec["files"]:
+            path = names.get(name, f"{folder}/{name}")
+            try:
+                # Only the files read must have their size; the others in
+                # the folder must be there.
+                size = _file_size(path) if name in names else (
+                    tf.io.gfile.stat(path).length)
+            except (FileNotFoundError, tf.errors.NotFoundError):
+                raise ValueError(
+                    f"Shard {path!r}, one of the {len(listed)} files "
+                    f"{spec_path!r} lists, is missing (deleted, or not "
+                    f"copied): the {listed[name]} examples it held would be "
+                    "silently left out. Restore it, or rewrite the folder "
+                    "with keras_mgpu.data.write_tfrecords."
+                ) from None
+            if name in names and name in sizes and size != sizes[name]:
+                raise ValueError(
+                    f"Shard {path!r} has {size} bytes, {spec_path!r} says "
+                    f"{sizes[name]}: it was cut short or changed after it "
+                    "was written (e.g. by a copy that was interrupted). "
+                    "Restore it, or rewrite the folder with "
+                    "keras_mgpu.data.write_tfrecords."
+                )
+            if name in names:
+                expected[path] = listed[name], spec_path
+    return first[0], expected
+
+
+def _file_size(path: str) -> int:
+    if is_url(path):
+        return tf.io.gfile.stat(path).length
+    info = os.stat(path)
+    _check_regular(path, info.st_mode)  # TFRecordDataset would block on a FIFO
+    return info.st_size
+
+
+def _verify(files, parse, expected: dict, read_all: bool) -> int:
+    """Parses each file's first record (`read_all`: every record, and
+    compares the count with `expected[path]`, `(examples, spec path)`)."""
     count = 0
     for path in files:
         records = iter(tf.data.TFRecordDataset(path))
+        want, spec_path = expected[path]
         index = 0
-        while True:
+        while read_all or index == 0:
             try:
                 record = next(records)
             except StopIteration:
@@ -619,8 +859,13 @@ def _verify(files, parse, read_all: bool) -> int:
                 ) from None
             count += 1
             index += 1
-            if not read_all:
-                break
+        if index != want and (read_all or index == 0):
+            raise ValueError(
+                f"Shard {path!r} holds {index} examples, {spec_path!r} says "
+                f"{want}: it was cut short (at a record boundary, e.g. by a "
+                "copy that was interrupted) or replaced. Restore it, or "
+                "rewrite the folder with keras_mgpu.data.write_tfrecords."
+            )
     return count
 
 
@@ -632,10 +877,14 @@ def _bad_record(path: str, index: int, problem: str, error) -> ValueError:
     )
 
 
-def _write_shards(dataset, fields, paths):
-    """Writes `dataset` round-robin into `paths`: (first shapes, count)."""
+def _write_shards(dataset, fields, paths, opened: list):
+    """Writes `dataset` round-robin into `paths`: (first shapes, count).
+
+    A file is created when its first example comes (and appended to
+    `opened`), so no more files exist than examples, whatever `paths` holds.
+    """
     names = [n for n, _, _ in fields]
-    writers = [tf.io.TFRecordWriter(p) for p in paths]
+    writers = []
     shapes, count = None, 0
     try:
         for element in dataset:
@@ -658,7 +907,10 @@ def _write_shards(dataset, fields, paths):
                     value=[tf.io.serialize_tensor(t).numpy()]))
                 for n, t in zip(names, flat)
             }))
-            writers[count % len(writers)].write(example.SerializeToString())
+            if len(writers) < len(paths):
+                opened.append(paths[len(writers)])
+                writers.append(tf.io.TFRecordWriter(opened[-1]))
+            writers[count % len(paths)].write(example.SerializeToString())
             count += 1
     finally:
         for writer in writers:
@@ -671,6 +923,9 @@ def _parser(spec: dict):
     names = _flat_names(structure)
     description = {n: tf.io.FixedLenFeature([], tf.string) for n in names}
 
+    # Plain Python: AutoGraph would convert the recursive `_pack` level by
+    # level, and overflow the stack on a deep structure.
+    @tf.autograph.experimental.do_not_convert
     def parse(record):
         parsed = tf.io.parse_single_example(record, description)
         return _pack(structure, {
@@ -684,13 +939,15 @@ def _parser(spec: dict):
 
 
 def _as_dataset(data):
-    """`data` as a dataset of examples, its JSON structure and its fields.
+    """`data` as a dataset of examples, its JSON structure, its fields and
+    its number of examples (`None` if unknown until written).
 
     The fields are `(feature name, path, tf.TensorSpec)`, in the order of
     `_flat_names(structure)`. Everything that can be refused before writing
     is refused here.
     """
     if not isinstance(data, tf.data.Dataset):
+        _check_depth(data, "data")
         structure, leaves = _skeleton(data, "", [])
         arrays = {n: _as_array(path, leaf)
                   for n, (path, leaf) in zip(_flat_names(structure), leaves)}
@@ -709,6 +966,7 @@ def _as_dataset(data):
             raise ValueError("write_tfrecords got no examples to write.")
         # Lists become tuples: from_tensor_slices would stack a list.
         data = tf.data.Dataset.from_tensor_slices(_pack(structure, arrays))
+    _check_depth(data.element_spec, "The dataset's element_spec")
     structure, specs = _skeleton(data.element_spec, "", [])
     if not specs:
         raise ValueError(
@@ -717,7 +975,51 @@ def _as_dataset(data):
     for path, spec in specs:
         _check_spec(path, spec)
     names = _flat_names(structure)
-    return data, structure, [(n, p, s) for n, (p, s) in zip(names, specs)]
+    known = int(data.cardinality())
+    if known == tf.data.INFINITE_CARDINALITY:
+        raise ValueError(
+            "write_tfrecords got an infinite dataset (e.g. after "
+            "`.repeat()`): it would write forever. Pass the finite dataset, "
+            "or `.take(n)` of it."
+        )
+    return (data, structure,
+            [(n, p, s) for n, (p, s) in zip(names, specs)],
+            None if known < 0 else known)
+
+
+def _check_depth(data, what: str) -> None:
+    if _depth_beyond(data, _MAX_DEPTH):
+        raise ValueError(
+            f"write_tfrecords: {what} is nested more than {_MAX_DEPTH} levels "
+            "deep (tuples, lists and dicts inside one another, or a "
+            "structure that contains itself). spec.json records the "
+            "structure, and reading it back walks every level: flatten it, "
+            "e.g. into a dict of arrays."
+        )
+
+
+def _depth_beyond(node, limit: int, spec_tree: bool = False) -> bool:
+    """Whether tuples, lists and mappings nest in `node` deeper than `limit`
+    (`spec_tree`: the `{"tuple": [...]}` and `{"dict": [[key, value], ...]}`
+    nodes of a spec's structure; what is malformed counts as a leaf, for
+    `_flat_names` to name). Walks without recursing."""
+    stack = [(node, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if spec_tree:
+            children = _spec_children(node)
+        elif isinstance(node, Mapping):
+            children = list(node.values())
+        elif isinstance(node, (tuple, list)):
+            children = node
+        else:
+            children = None
+        if children is None:
+            continue
+        if depth >= limit:
+            return True
+        stack.extend((child, depth + 1) for child in children)
+    return False
 
 
 def _skeleton(node, path: str, leaves: list):
@@ -837,6 +1139,19 @@ def _flat_names(structure) -> list:
     raise ValueError(
         f"{structure!r} is not a feature name, {{'tuple': [...]}} or "
         "{'dict': [[key, ...], ...]} with distinct keys")
+
+
+def _spec_children(node) -> Optional[list]:
+    """The items of a spec's tuple or dict node; None for anything else."""
+    if not isinstance(node, dict) or len(node) != 1:
+        return None
+    if isinstance(node.get("tuple"), list):
+        return node["tuple"]
+    pairs = node.get("dict")
+    if isinstance(pairs, list) and all(
+            isinstance(p, list) and len(p) == 2 for p in pairs):
+        return [value for _, value in pairs]
+    return None
 
 
 def _pack(structure, values: Mapping):

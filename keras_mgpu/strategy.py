@@ -483,7 +483,8 @@ def require_strategy(
     """`strategy`, or the current scope's; outside every scope, an error.
 
     Args:
-        strategy: A strategy, or `None` for the current scope's.
+        strategy: A strategy, or `None` for the current scope's; anything
+            else is a `TypeError`.
         call: The caller as the user wrote it, e.g. `"global_batch_size(16)"`,
             named by the error.
 
@@ -494,6 +495,14 @@ def require_strategy(
     ValueError: f() was called outside a strategy scope, ...
     """
     if strategy is not None:
+        if not isinstance(strategy, (tf.distribute.Strategy,
+                                     tf.compat.v1.distribute.Strategy)):
+            raise TypeError(
+                f"{call}: strategy must be a tf.distribute.Strategy or None, "
+                f"got {strategy!r}. Pass the strategy object (e.g. "
+                "keras_mgpu.auto_strategy()'s result, or "
+                "tf.distribute.MirroredStrategy()), not its name."
+            )
         return strategy
     if not tf.distribute.has_strategy():
         # Outside every scope TensorFlow answers for its default strategy

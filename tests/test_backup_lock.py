@@ -3,7 +3,9 @@
 import json
 import os
 import queue
+import re
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -248,10 +250,207 @@ def test_url_directory(monkeypatch):
     tf.io.gfile.remove(path)
     write = _backup_lock.OwnerLock._write
 
-    def raced(self, record):
-        write(self, record)
-        write(self, foreign(token="y", started=now, heartbeat=now))
+    def raced(self, path, data):
+        write(self, path, data)
+        write(self, path, json.dumps(
+            foreign(token="y", started=now, heartbeat=now)).encode())
 
     monkeypatch.setattr(_backup_lock.OwnerLock, "_write", raced)
     with pytest.raises(BackupDirInUse, match="pid 4242"):
         OwnerLock(directory).acquire()
+
+
+# Races children through rounds: before round i each blocks on reading pipe
+# i, which the parent closes once round i's directory is ready, so all are
+# released at once (EOF reaches every reader together). Each prints who won;
+# a winner keeps its lock by staying alive until stdin closes.
+RACER = """
+import importlib.util, os, sys, warnings
+spec = importlib.util.spec_from_file_location("lock", sys.argv[1])
+lock = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(lock)
+warnings.simplefilter("ignore")
+print("READY tf=%s" % ("tensorflow" in sys.modules), flush=True)
+for i, fd in enumerate(map(int, sys.argv[3].split(","))):
+    os.read(fd, 1)
+    try:
+        lock.OwnerLock(os.path.join(sys.argv[2], str(i))).acquire()
+        print(i, "WON", flush=True)
+    except lock.BackupDirInUse:
+        print(i, "IN_USE", flush=True)
+    except Exception as e:
+        print(i, "ERROR", repr(e), flush=True)
+sys.stdin.read()
+"""
+
+DEAD_LOCKS = ["reused_pid", "stale_heartbeat", "torn"]
+
+
+def dead_lock(directory, kind):
+    """Leaves in `directory` the lock of a run that died."""
+    if kind == "reused_pid":  # our pid, but another process's start time
+        start = _backup_lock._identity()["process_start"]
+        write_lock(directory, process_start=start - 1)
+    elif kind == "stale_heartbeat":
+        write_lock(directory, **foreign(heartbeat=time.time() - 700))
+    else:
+        (directory / LOCK_NAME).write_bytes(b'{"host": "h", "pi')
+
+
+@pytest.mark.skipif(not LINUX, reason="process start times need /proc")
+def test_simultaneous_takeovers_of_a_dead_lock_have_one_winner(tmp_path):
+    racers, rounds = 4, 24
+    pipes = [os.pipe() for _ in range(rounds)]
+    reads = [r for r, _ in pipes]
+    lines = queue.Queue()
+    procs = []
+    try:
+        for n in range(racers):
+            stderr = open(tmp_path / f"racer-{n}.err", "w+")
+            proc = subprocess.Popen(
+                [sys.executable, "-c", RACER, _backup_lock.__file__,
+                 str(tmp_path), ",".join(map(str, reads))],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
+                pass_fds=reads, text=True)
+            procs.append((proc, stderr))
+            threading.Thread(target=lambda p=proc: [
+                lines.put((p.pid, line.split())) for line in p.stdout],
+                daemon=True).start()
+        for r in reads:
+            os.close(r)  # the children hold them now
+
+        def answers(n):
+            got = []
+            for _ in range(n):
+                try:
+                    got.append(lines.get(timeout=TIMEOUT))
+                except queue.Empty:
+                    pytest.fail(f"racers answered only {got} of {n}")
+            return got
+
+        assert all(a == ["READY", "tf=False"] for _, a in answers(racers))
+        for i, (_, write_end) in enumerate(pipes):
+            directory = tmp_path / str(i)
+            directory.mkdir()
+            dead_lock(directory, DEAD_LOCKS[i % len(DEAD_LOCKS)])
+            os.close(write_end)  # the barrier: releases every racer at once
+            results = {pid: a for pid, a in answers(racers)}
+            assert all(a[0] == str(i) for a in results.values()), results
+            won = [pid for pid, a in results.items() if a[1] == "WON"]
+            assert len(won) == 1 and sorted(
+                a[1] for a in results.values()) == ["IN_USE"] * (
+                    racers - 1) + ["WON"], f"race {i}: {results}"
+            assert read_lock(directory)["pid"] == won[0]
+            # No claim or temporary file is left behind.
+            assert os.listdir(directory) == [LOCK_NAME]
+    finally:
+        for proc, stderr in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=TIMEOUT)
+            stderr.seek(0)
+            print(f"racer {proc.pid} stderr:\n{stderr.read()}",
+                  file=sys.stderr)
+            stderr.close()
+            proc.stdin.close()
+
+
+@pytest.mark.parametrize("kind", ["directory", "fifo"])
+def test_a_lock_path_that_is_not_a_file_is_refused_without_blocking(
+        tmp_path, kind):
+    path = tmp_path / LOCK_NAME
+    if kind == "directory":
+        path.mkdir()
+        (path / "inside").write_text("kept")
+        match = "is a directory, not a regular file"
+    else:
+        os.mkfifo(path)  # opening it to read would wait for a writer
+        match = r"is a named pipe \(FIFO\), not a regular file"
+    outcome = queue.Queue()
+
+    def acquire():
+        try:
+            OwnerLock(str(tmp_path)).acquire()
+            outcome.put(None)
+        except BaseException as e:
+            outcome.put(e)
+
+    thread = threading.Thread(target=acquire, daemon=True)
+    thread.start()
+    thread.join(TIMEOUT)
+    if thread.is_alive():
+        # Blocked in open(): a writer releases it, so the thread ends.
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+        pytest.fail(f"acquire() blocked on the {kind} {path}")
+    error = outcome.get_nowait()
+    assert isinstance(error, RuntimeError), repr(error)
+    message = str(error)
+    assert re.search(match, message), message
+    assert f"BackupAndRestore: {path} is a" in message
+    assert "remove what is there (or use another backup_dir)" in message
+    # Left as it was.
+    assert (path.is_dir() and (path / "inside").read_text() == "kept"
+            if kind == "directory" else stat.S_ISFIFO(os.lstat(path).st_mode))
+    assert sorted(os.listdir(tmp_path)) == [LOCK_NAME]
+
+
+@pytest.mark.parametrize("directory, error, match", [
+    (None, TypeError, "must be a path .*got None"),
+    (3, TypeError, "must be a path .*got 3"),
+    (b"bdir", TypeError, "must be a path .*got b'bdir'"),
+    ("", ValueError, "must be a non-empty path, got ''"),
+])
+def test_a_directory_that_is_not_a_path_is_refused(tmp_path, monkeypatch,
+                                                   directory, error, match):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(error, match=f"^BackupAndRestore: the directory to "
+                       f"lock {match}"):
+        OwnerLock(directory).acquire()
+    assert os.listdir(tmp_path) == []  # no ./None/LOCK.json
+
+
+# Takes over a dead lock in `argv[2]`, and is SIGKILLed in the middle: before
+# (`argv[3]` "before") or after ("after") replacing LOCK.json.
+DIES_TAKING_OVER = """
+import importlib.util, os, signal, sys
+spec = importlib.util.spec_from_file_location("lock", sys.argv[1])
+lock = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(lock)
+write = lock.OwnerLock._write
+
+def dying_write(self, path, data):
+    if path.endswith(lock.LOCK_NAME):
+        if sys.argv[3] == "after":
+            write(self, path, data)
+        os.kill(os.getpid(), signal.SIGKILL)
+    write(self, path, data)
+
+lock.OwnerLock._write = dying_write
+lock.OwnerLock(sys.argv[2]).acquire()
+"""
+
+
+@pytest.mark.skipif(not LINUX, reason="process start times need /proc")
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_run_killed_while_taking_over_leaves_a_lock_others_take(tmp_path,
+                                                                  when):
+    dead_lock(tmp_path, "reused_pid")
+    child = subprocess.run(
+        [sys.executable, "-c", DIES_TAKING_OVER, _backup_lock.__file__,
+         str(tmp_path), when], capture_output=True, text=True,
+        timeout=TIMEOUT, check=False)
+    assert child.returncode == -9, child.stderr
+    # It died holding its claim on the dead lock.
+    claims = [n for n in os.listdir(tmp_path) if n.startswith(".tmp-lock-")]
+    assert len(claims) == 1, os.listdir(tmp_path)
+    owner = read_lock(tmp_path)["pid"]  # "after": the killed run's
+    assert (owner == os.getpid()) == (when == "before")
+    lock = OwnerLock(str(tmp_path))
+    with pytest.warns(UserWarning, match=rf"from pid {owner} on host .*died"):
+        lock.acquire()
+    assert read_lock(tmp_path)["pid"] == os.getpid()
+    # "before": its claim was taken over and removed; "after": it claimed a
+    # record no longer there, a leftover BackupAndRestore sweeps.
+    left = [n for n in os.listdir(tmp_path) if n.startswith(".tmp-lock-")]
+    assert left == ([] if when == "before" else claims)
+    lock.release()

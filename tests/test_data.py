@@ -2,6 +2,10 @@
 
 import collections
 import json
+import os
+import queue
+import re
+import threading
 
 import numpy as np
 import pytest
@@ -533,6 +537,224 @@ def test_unwritable_inputs_are_refused_before_writing(tmp_path, make, error,
     with pytest.raises(error, match=match):
         data.write_tfrecords(make(), target)
     assert_nothing_left(tmp_path, target)
+
+
+# --- shards that come back short, and what cannot be read (#31) -------------
+
+# 20 examples in 4 shards of 5: every record has the same size.
+SHARDS = 4
+
+
+def shard(tmp_path, i):
+    return tmp_path / f"data-{i:05d}-of-{SHARDS:05d}.tfrecord"
+
+
+def drop_recorded_counts(tmp_path):
+    """Makes spec.json one written before per-file counts were recorded."""
+    spec_path = tmp_path / "spec.json"
+    spec = json.loads(spec_path.read_text())
+    for key in ("examples_per_file", "bytes_per_file"):
+        spec.pop(key, None)
+    spec_path.write_text(json.dumps(spec))
+
+
+def damage(tmp_path, how):
+    path = shard(tmp_path, 1)
+    if how == "emptied":
+        path.write_bytes(b"")
+    elif how == "deleted":
+        path.unlink()
+    elif how == "cut_at_a_record":  # 2 of its 5 records kept
+        path.write_bytes(path.read_bytes()[:2 * path.stat().st_size // 5])
+    elif how == "rewritten_with_fewer_shards":
+        with pytest.warns(UserWarning, match=r"still holds 4 shard\(s\) of "
+                          r"an earlier write.*'data-\*-of-00002\.tfrecord'"):
+            data.write_tfrecords(arrays(10), tmp_path, num_shards=2)
+
+
+@pytest.mark.parametrize("how, old_spec, message", [
+    ("emptied", False, "-00001-of-00004.tfrecord' has 0 bytes, '.*spec.json' "
+     "says [0-9]+: it was cut short"),
+    ("emptied", True, "-00001-of-00004.tfrecord' holds 0 examples, "
+     "'.*spec.json' says 5: it was cut short"),
+    ("deleted", False, "-00001-of-00004.tfrecord', one of the 4 files "
+     "'.*spec.json' lists, is missing .*the 5 examples it held"),
+    ("cut_at_a_record", False, "-00001-of-00004.tfrecord' has [0-9]+ bytes, "
+     "'.*spec.json' says [0-9]+"),
+    ("cut_at_a_record", True, "-00001-of-00004.tfrecord' holds 2 examples, "
+     "'.*spec.json' says 5"),
+    ("rewritten_with_fewer_shards", False, "data-00000-of-00004.tfrecord' "
+     r"\(and 3 more\) matches the pattern, but '.*spec.json' does not list "
+     "it: it holds 2 files, 'data-00000-of-00002.tfrecord' to "
+     "'data-00001-of-00002.tfrecord'. It is left from an earlier"),
+], ids=["emptied", "emptied_old_spec", "deleted", "cut_at_a_record",
+        "cut_at_a_record_old_spec", "rewritten_with_fewer_shards"])
+def test_a_short_or_stale_shard_is_named(tmp_path, how, old_spec, message):
+    data.write_tfrecords(arrays(20), tmp_path, num_shards=SHARDS)
+    if old_spec:
+        drop_recorded_counts(tmp_path)
+    damage(tmp_path, how)
+    pattern = str(tmp_path / "*.tfrecord")
+    readers = {
+        "verify=all": lambda: data.tfrecord_dataset(
+            pattern, per_replica_batch_size=4, verify="all",
+            strategy=ONE_DEVICE),
+        "verify_tfrecords": lambda: data.verify_tfrecords(pattern),
+    }
+    # Without recorded sizes, a shard cut at a record still parses.
+    if how != "cut_at_a_record" or not old_spec:
+        readers["verify=first"] = lambda: data.tfrecord_dataset(
+            pattern, per_replica_batch_size=4, strategy=ONE_DEVICE)
+    for name, read in readers.items():
+        with pytest.raises(ValueError, match=message) as info:
+            read()
+        assert "Restore it, or rewrite the folder" in str(info.value) or (
+            "Delete it, or use a pattern" in str(info.value)), name
+
+
+def test_intact_shards_read_with_old_and_new_specs(tmp_path):
+    data.write_tfrecords(arrays(7), tmp_path, num_shards=3)
+    spec = data.read_spec(tmp_path)
+    assert spec["examples_per_file"] == [3, 2, 2]
+    assert spec["bytes_per_file"] == [
+        p.stat().st_size for p in sorted(tmp_path.glob("*.tfrecord"))]
+    pattern = str(tmp_path / "*.tfrecord")
+    for old in (False, True):
+        if old:
+            drop_recorded_counts(tmp_path)
+            assert data.read_spec(tmp_path)["examples_per_file"] == [3, 2, 2]
+            assert "bytes_per_file" not in data.read_spec(tmp_path)
+        assert data.verify_tfrecords(pattern) == 7
+        got = collect(data.tfrecord_dataset(
+            pattern, per_replica_batch_size=7, verify="all",
+            strategy=ONE_DEVICE))
+        np.testing.assert_array_equal(got[1], arrays(7)[1])
+        # A subset of the shards reads, the others being intact.
+        assert data.verify_tfrecords(str(tmp_path / "data-0000[02]-*")) == 5
+
+
+def test_shards_of_several_folders_are_checked_each_against_its_spec(
+        tmp_path):
+    x, y = arrays(9)
+    data.write_tfrecords((x[:4], y[:4]), tmp_path / "a", num_shards=2)
+    data.write_tfrecords((x[4:], y[4:]), tmp_path / "b", num_shards=3)
+    pattern = str(tmp_path / "*" / "*.tfrecord")
+    assert data.verify_tfrecords(pattern) == 9
+    (tmp_path / "b" / "data-00002-of-00003.tfrecord").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"b/data-00002-of-00003\.tfrecord' "
+                       r"has 0 bytes, '.*b/spec\.json' says"):
+        data.verify_tfrecords(pattern)
+    data.write_tfrecords({"x": x[4:]}, tmp_path / "b", num_shards=3)
+    with pytest.raises(ValueError, match=r"The shards of '.*b/spec\.json' "
+                       r"hold other examples than those of '.*a/spec\.json'"):
+        data.tfrecord_dataset(pattern, per_replica_batch_size=2,
+                              strategy=ONE_DEVICE)
+
+
+def nested(value, depth):
+    for _ in range(depth):
+        value = (value,)
+    return value
+
+
+def deep_spec(depth):
+    structure = '"f0"'
+    for _ in range(depth):
+        structure = '{"tuple": [' + structure + ']}'
+    return ('{"version": 2, "structure": %s, "num_examples": 4, "files": '
+            '["data-00000-of-00001.tfrecord"], "features": {"f0": '
+            '{"dtype": "float32", "shape": [3, 2]}}}' % structure)
+
+
+@pytest.mark.parametrize("spec, cause", [
+    (deep_spec(5000), "nested too deep to decode"),
+    (deep_spec(150), "'structure' is nested more than 100 levels deep"),
+    ('{"version": 2, "structure": {"tuple": []}, "features": {}, '
+     '"num_examples": 4, "files": ["data-00000-of-00001.tfrecord"]}',
+     r"'structure' is \{'tuple': \[\]\}, which holds no feature"),
+    ("fifo", "is a named pipe \\(FIFO\\), not a regular file"),
+], ids=["nested_5000_deep", "nested_150_deep", "empty", "fifo"])
+def test_an_unreadable_spec_is_named_without_blocking(tmp_path, spec, cause):
+    data.write_tfrecords(arrays(4), tmp_path, num_shards=1)
+    spec_path = tmp_path / "spec.json"
+    spec_path.unlink()
+    if spec == "fifo":
+        os.mkfifo(spec_path)  # reading it would wait for a writer
+    else:
+        spec_path.write_text(spec)
+    outcome = queue.Queue()
+
+    def read():
+        try:
+            data.tfrecord_dataset(str(tmp_path / "*.tfrecord"),
+                                  per_replica_batch_size=2,
+                                  strategy=ONE_DEVICE)
+            outcome.put(None)
+        except BaseException as e:
+            outcome.put(e)
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    thread.join(60)
+    if thread.is_alive():
+        os.close(os.open(spec_path, os.O_WRONLY | os.O_NONBLOCK))  # unblocks
+        pytest.fail(f"reading {spec_path} blocked")
+    error = outcome.get_nowait()
+    assert isinstance(error, ValueError), repr(error)
+    assert re.search(cause, str(error)), str(error)
+    assert repr(str(spec_path)) in str(error)
+
+
+def unknown_length(n):
+    return tf.data.Dataset.from_tensor_slices(arrays(n)).filter(
+        lambda x, y: True)
+
+
+@pytest.mark.parametrize("source, kwargs, error, match", [
+    (lambda: nested(arrays(4)[0], 5000), {}, ValueError,
+     "data is nested more than 100 levels deep"),
+    (lambda: unknown_length(3).map(lambda x, y: nested(x, 101)), {},
+     ValueError, "element_spec is nested more than 100 levels deep"),
+    (lambda: arrays(4), {"num_shards": 10**9}, ValueError,
+     "num_shards must be at most 99,999 .*got 1000000000"),
+    (lambda: arrays(4), {"num_shards": 5}, ValueError,
+     r"num_shards=5 is more than the 4 examples to write: 1 shard\(s\) "
+     "would be empty. Use num_shards=4 or fewer"),
+    (lambda: unknown_length(3), {"num_shards": 5}, ValueError,
+     "num_shards=5 is more than the 3 examples"),
+    (lambda: tf.data.Dataset.from_tensor_slices(arrays(3)).repeat(), {},
+     ValueError, "got an infinite dataset"),
+], ids=["nested_5000_deep", "dataset_nested_101_deep", "num_shards_1e9",
+        "more_shards_than_examples", "more_shards_than_unknown_examples",
+        "infinite_dataset"])
+def test_unwritable_structures_and_shard_counts_are_refused(
+        tmp_path, source, kwargs, error, match):
+    target = tmp_path / "out"
+    with pytest.raises(error, match=match):
+        data.write_tfrecords(source(), target, **kwargs)
+    assert_nothing_left(tmp_path, target)
+
+
+def test_nesting_100_deep_round_trips(tmp_path):
+    x = arrays(4)[0]
+    data.write_tfrecords(nested(x, 100), tmp_path, num_shards=2)
+    got = next(iter(data.tfrecord_dataset(
+        str(tmp_path / "*.tfrecord"), per_replica_batch_size=4,
+        strategy=ONE_DEVICE)))
+    for _ in range(100):
+        assert isinstance(got, tuple) and len(got) == 1
+        got = got[0]
+    np.testing.assert_array_equal(got.numpy(), x)
+
+
+def test_a_strategy_that_is_not_one_is_a_type_error(tmp_path):
+    data.write_tfrecords(arrays(4), tmp_path, num_shards=1)
+    with pytest.raises(TypeError, match=r"tfrecord_dataset\(per_replica_"
+                       r"batch_size=2\): strategy must be a tf\.distribute\."
+                       r"Strategy or None, got 'mirrored'\. Pass the "
+                       "strategy object"):
+        data.tfrecord_dataset(str(tmp_path / "*.tfrecord"),
+                              per_replica_batch_size=2, strategy="mirrored")
 
 
 # --- re-batching a batched dataset ------------------------------------------------
