@@ -4,6 +4,7 @@ from keras_mgpu.callbacks.backup_and_restore import RESTART_EXIT_CODE  # noqa: F
 from keras_mgpu.callbacks.backup_and_restore import BackupAndRestore  # noqa: F401
 from keras_mgpu.callbacks.backup_and_restore import BackupDirInUse  # noqa: F401
 from keras_mgpu.callbacks.backup_and_restore import list_presets  # noqa: F401
+from keras_mgpu.callbacks.callback_state import register_callback_state  # noqa: F401
 from keras_mgpu.callbacks.distributed_logger import JSONL_KEYS  # noqa: F401
 from keras_mgpu.callbacks.distributed_logger import DistributedLogger  # noqa: F401
 from keras_mgpu.callbacks.distributed_logger import input_wait_summary  # noqa: F401
