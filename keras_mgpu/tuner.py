@@ -219,11 +219,12 @@ class StrategyAwareHyperModel(keras_tuner.HyperModel):
         self._executions = {}
         # Every process of a search builds its hypermodel, the chief too.
         compat.enable_tuner_state_fix()
-        # A resumed trial keeps its best value, so its best checkpoint is
-        # that of the uninterrupted trial.
-        register_callback_state(compat.save_best_epoch_class(),
-                                compat.save_best_epoch_state,
-                                compat.set_save_best_epoch_state)
+        if backup is not False:
+            # A resumed trial keeps its best value, so its best checkpoint
+            # is that of the uninterrupted trial.
+            register_callback_state(compat.save_best_epoch_class(),
+                                    compat.save_best_epoch_state,
+                                    compat.set_save_best_epoch_state)
 
     # --- hyperparameters ----------------------------------------------------
 
