@@ -46,8 +46,9 @@ def _fit(callbacks, epochs=3):
 
 def test_a_users_callback_state_is_saved_and_restored(tmp_path):
     """Saved mid-epoch 1 (after the fourth of 9 batches), restored into the
-    rerun's new callback (listed before or after the backup): it ends as in the uninterrupted run, its array
-    read back from the generation's callbacks.npz."""
+    rerun's new callback (listed before the backup, then after it): it
+    ends as in the uninterrupted run, its array read back from the
+    generation's callbacks.npz."""
     expected = KernelLog()
     _fit([expected])
     backup_dir = str(tmp_path / "b")
