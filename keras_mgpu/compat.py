@@ -71,8 +71,10 @@ _TELEMETRY = "the training runtime's sample count"
 _INPUT_WAIT = "the training runtime's input-wait timing"
 _TUNER = "the tuner's learning-rate scaling"
 _TUNER_STATE = "the tuner's oracle-state fix (KerasTuner's ongoing trials)"
+_TUNER_BEST = "the resumed trial's best checkpoint (KerasTuner's SaveBestEpoch)"
 _WORKAROUNDS = (_MULTI_WORKER_FIX, _MULTI_STEP_FIX, _ACCUMULATION, _MIXED,
-                _BACKUP, _TELEMETRY, _INPUT_WAIT, _TUNER, _TUNER_STATE)
+                _BACKUP, _TELEMETRY, _INPUT_WAIT, _TUNER, _TUNER_STATE,
+                _TUNER_BEST)
 
 
 class KerasInternalsError(RuntimeError):
@@ -880,6 +882,38 @@ def tuner_and_trial(callbacks):
                 "StrategyAwareHyperModel."
             )
     return None
+
+
+# --- KerasTuner's best checkpoint (keras_mgpu.tuner) ---------------------------
+# KerasTuner 1.4.8's `Tuner.run_trial` appends its private
+# `tuner_utils.SaveBestEpoch` to every trial's callbacks
+# (https://github.com/keras-team/keras-tuner/blob/v1.4.8/keras_tuner/src/engine/tuner_utils.py):
+# it writes the trial's best checkpoint when an epoch beats `best_value`,
+# which starts at -inf or inf in each fit. A trial resumed by its backup
+# would take its first resumed epoch as the best, so `best_value` is saved
+# with each generation. Remove when KerasTuner restores it itself (a
+# resumed trial's checkpoint is then right without it: tests/test_tuner.py
+# shows it).
+
+
+def save_best_epoch_class() -> type:
+    """KerasTuner's `SaveBestEpoch` callback class."""
+    try:
+        from keras_tuner.src.engine import tuner_utils
+    except ImportError:
+        raise _internals_error("`keras_tuner.src.engine.tuner_utils`",
+                               _TUNER_BEST) from None
+    return _require(tuner_utils, "SaveBestEpoch", _TUNER_BEST)
+
+
+def save_best_epoch_state(callback) -> dict:
+    """The state of a `SaveBestEpoch` that decides its next checkpoint."""
+    return {"best_value": _require(callback, "best_value", _TUNER_BEST)}
+
+
+def set_save_best_epoch_state(callback, state: dict) -> None:
+    _require(callback, "best_value", _TUNER_BEST)
+    callback.best_value = state["best_value"]
 
 
 # --- KerasTuner's oracle state (keras_mgpu.tuner) -----------------------------

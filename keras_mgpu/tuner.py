@@ -44,6 +44,7 @@ from keras_mgpu import launcher
 from keras_mgpu import strategy as strategy_lib
 from keras_mgpu.accumulation import GradientAccumulationModel
 from keras_mgpu.callbacks.backup_and_restore import BackupAndRestore
+from keras_mgpu.callbacks.callback_state import register_callback_state
 # Registered for loading on `import keras_mgpu`, which needs no keras-tuner;
 # re-exported here, where it has always been importable from.
 from keras_mgpu.schedules import ScaledSchedule  # noqa: F401
@@ -111,7 +112,9 @@ class StrategyAwareHyperModel(keras_tuner.HyperModel):
       `<project_dir>/trial_<id>/backup/execution_<k>`, so a trial interrupted
       by a killed search resumes from its last backup when the search is
       rerun with `overwrite=False` (KerasTuner itself skips completed trials
-      and retries the interrupted one);
+      and retries the interrupted one); the resumed trial keeps the epochs
+      trained before the kill in its history and its best value, so its
+      score, best step and best checkpoint are the uninterrupted trial's;
     - adds the `EFFECTIVE_KEYS` metrics to the trial (constant per epoch).
 
     Args:
@@ -224,6 +227,12 @@ class StrategyAwareHyperModel(keras_tuner.HyperModel):
         self._executions = {}
         # Every process of a search builds its hypermodel, the chief too.
         compat.enable_tuner_state_fix()
+        if backup is not False:
+            # A resumed trial keeps its best value, so its best checkpoint
+            # is that of the uninterrupted trial.
+            register_callback_state(compat.save_best_epoch_class(),
+                                    compat.save_best_epoch_state,
+                                    compat.set_save_best_epoch_state)
 
     # --- hyperparameters ----------------------------------------------------
 
@@ -399,6 +408,9 @@ class StrategyAwareHyperModel(keras_tuner.HyperModel):
         if backup is not None:
             # First: restores the model before other callbacks look at it.
             callbacks.insert(0, backup)
+            # Last, as Keras places its own History: every callback has
+            # added to an epoch's logs before it records them.
+            callbacks.append(_TrialHistory())
         history = model.fit(*args, callbacks=callbacks, **kwargs)
         epochs = len(history.epoch)
         for key in EFFECTIVE_KEYS:
@@ -429,6 +441,20 @@ class StrategyAwareHyperModel(keras_tuner.HyperModel):
             tuner.get_trial_dir(trial_id), "backup", f"execution_{execution}"
         )
         return BackupAndRestore(directory, save_freq=self.backup, keep=2)
+
+
+class _TrialHistory(keras.callbacks.History):
+    """Keras's `History`, saved with the trial's backup: a resumed trial's
+    `fit` returns every epoch, those before the kill too. KerasTuner takes
+    the trial's score and best step from it (by position in each list)."""
+
+    def get_state(self) -> dict:
+        return {"epoch": list(self.epoch),
+                "history": {k: list(v) for k, v in self.history.items()}}
+
+    def set_state(self, state: dict) -> None:
+        self.epoch = list(state["epoch"])
+        self.history = {k: list(v) for k, v in state["history"].items()}
 
 
 def _accum_steps_of(model) -> int:

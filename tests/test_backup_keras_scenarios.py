@@ -344,6 +344,60 @@ def test_epoch_end_crash_with_early_stopping_in_the_list(cls, tmp_path,
     assert_uninterrupted(resumed, 5)
 
 
+# val_loss of make_model() on these, 9 training samples in batches of 3 and
+# 3 validating (validation_split=0.25): lowest after epoch 3, higher after
+# each of epochs 4 to 6, so EarlyStopping(patience=3) stops after epoch 6.
+_es_rng = np.random.default_rng(55)
+ES_X = _es_rng.random((12, 3)).astype("float32")
+ES_Y = _es_rng.random((12, 1)).astype("float32")
+
+
+def _fit_early_stopping(callbacks):
+    model = make_model()
+    stopper = keras.callbacks.EarlyStopping(
+        "val_loss", patience=3, restore_best_weights=True)
+    model.fit(ES_X, ES_Y, batch_size=3, epochs=10, validation_split=0.25,
+              shuffle=False, verbose=0, callbacks=[*callbacks, stopper])
+    return model, stopper
+
+
+@functools.lru_cache(maxsize=None)
+def _early_stopping_uninterrupted():
+    model, stopper = _fit_early_stopping([])
+    return (tuple(model.get_weights()), stopper.best_epoch,
+            stopper.stopped_epoch)
+
+
+@BOTH
+def test_early_stopping_restores_the_best_weights_after_a_resume(cls,
+                                                                 tmp_path):
+    """EarlyStopping(restore_best_weights=True) ends with the weights of
+    its best epoch (3) although the run was interrupted mid-epoch 5: the
+    best weights are saved with each generation (callbacks.npz).
+
+    Interrupted in-process, as Keras's scenarios are: the generation on
+    disk is what a SIGKILL would leave (the writes are waited for), the
+    rerun uses a new model and callbacks, and the point is the callback's
+    state, not the crash."""
+    expected, best_epoch, stopped_epoch = _early_stopping_uninterrupted()
+    assert (best_epoch, stopped_epoch) == (3, 6)
+    backup_dir = str(tmp_path / "b")
+    with pytest.raises(RuntimeError, match="StepsInterruption"):
+        # After the second of epoch 5's three batches, saved after each.
+        _fit_early_stopping([cls(backup_dir, save_freq=1),
+                             InterruptingCallback(steps_int=5 * 3 + 2)])
+    workers.finish_backup_writes()
+    resumed, stopper = _fit_early_stopping([cls(backup_dir, save_freq=1)])
+    if cls is KERAS:
+        # Keras saves no callback state: the rerun's EarlyStopping starts
+        # afresh at epoch 5 and keeps other weights.
+        assert stopper.best_epoch != 3
+        assert max_diff(resumed.get_weights(), expected) > 1e-2
+    else:
+        assert (stopper.best_epoch, stopper.stopped_epoch) == (3, 6)
+        assert max_diff(resumed.get_weights(), expected) <= 1e-6
+
+
 @BOTH
 def test_interrupt_at_epoch_begin(cls, tmp_path):
     """The Keras docstring example: a crash as epoch 4 begins."""

@@ -661,8 +661,23 @@ def test_plan_workers_accepts_hosts_addresses_and_numpy_ports():
 # --- real processes ---------------------------------------------------------------
 
 
+def checkpoint_arrays(path):
+    """The arrays of a weights file, in the order of their names."""
+    import h5py
+
+    found = {}
+    with h5py.File(path, "r") as f:
+        f.visititems(lambda name, item: found.__setitem__(name, item[()])
+                     if isinstance(item, h5py.Dataset) else None)
+    return [found[name] for name in sorted(found)]
+
+
 def test_killed_search_resumes_without_redoing_trials(run_workers, tmp_path):
-    directory = str(tmp_path)
+    """A trial killed after epoch 1 of 4 (SIGKILL) resumes at epoch 2, and
+    ends with the score, best step and best checkpoint of the same trial
+    uninterrupted: its best epoch (the first: `loss` is maximized) came
+    before the kill."""
+    directory = str(tmp_path / "killed")
     env = {"TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": "-1",
            "TF_CONFIG": "{}"}
     first = run_workers(
@@ -689,6 +704,20 @@ def test_killed_search_resumes_without_redoing_trials(run_workers, tmp_path):
     # Finished trials leave no backups behind.
     assert not os.path.exists(os.path.join(
         directory, "resume", "trial_1", "backup", "execution_0"))
+
+    reference = str(tmp_path / "uninterrupted")
+    expected = tuner_workers.search_resumable(tuner_workers.resumable_tuner(
+        reference, mirrored(2), max_trials=2))["best"]["1"]
+    resumed = second[0].result["best"]["1"]
+    assert resumed["hp"] == expected["hp"]
+    assert resumed["best_step"] == expected["best_step"] == 0
+    assert abs(resumed["score"] - expected["score"]) <= 1e-6
+    checkpoints = [checkpoint_arrays(os.path.join(
+        d, "resume", "trial_1", "checkpoint.weights.h5"))
+        for d in (directory, reference)]
+    assert len(checkpoints[0]) == len(checkpoints[1]) > 0
+    assert max(float(np.abs(a - b).max())
+               for a, b in zip(*checkpoints)) <= 1e-6
 
 
 @contextlib.contextmanager

@@ -35,6 +35,43 @@ def build_model(hp):
     return model
 
 
+def build_seeded_model(hp):
+    """`build_model` with the same initial weights in every process."""
+    import keras
+
+    keras.utils.set_random_seed(1)
+    return build_model(hp)
+
+
+def resumable_tuner(directory, strategy, kill_trial=None, kill_epoch=None,
+                    max_trials=3):
+    """The tuner of `resumable_search`: objective `loss` maximized, so each
+    trial's best epoch is its first, before any kill."""
+    import keras_tuner
+
+    log_path = os.path.join(directory, "epochs.jsonl")
+    hypermodel = make_recording_hypermodel(
+        log_path, kill_trial, kill_epoch, build_fn=build_seeded_model,
+        per_replica_batch_size=8)
+    return keras_tuner.RandomSearch(
+        hypermodel, objective=keras_tuner.Objective("loss", "max"),
+        max_trials=max_trials, seed=3, directory=directory,
+        project_name="resume", overwrite=False,
+        distribution_strategy=strategy)
+
+
+def search_resumable(tuner):
+    x, y = data()
+    # In order: the killed trial resumes exactly only on the same batches.
+    tuner.search(x, y, epochs=4, shuffle=False, verbose=0)
+    return {
+        "trials": {t.trial_id: t.status for t in tuner.oracle.trials.values()},
+        "best": {t.trial_id: {"score": t.score, "best_step": t.best_step,
+                              "hp": t.hyperparameters.values}
+                 for t in tuner.oracle.trials.values()},
+    }
+
+
 def meet_peers(address, timeout=120):
     """Blocks until the test's rendezvous (a Unix socket at `address`) says
     every tuning worker has arrived."""
@@ -47,7 +84,8 @@ def meet_peers(address, timeout=120):
 
 
 def make_recording_hypermodel(log_path, kill_trial=None, kill_epoch=None,
-                              rendezvous=None, **kwargs):
+                              rendezvous=None, build_fn=build_model,
+                              **kwargs):
     """A StrategyAwareHyperModel that logs each trained epoch to `log_path`.
 
     With `rendezvous`, the first trial of this process waits there until
@@ -86,7 +124,7 @@ def make_recording_hypermodel(log_path, kill_trial=None, kill_epoch=None,
             meet_peers(pending.pop())
         return Recorder(trial_id)
 
-    return with_trial_callback(build_model, recorder, **kwargs)
+    return with_trial_callback(build_fn, recorder, **kwargs)
 
 
 def with_trial_callback(build_fn, make_callback, **kwargs):
@@ -116,20 +154,8 @@ def resumable_search(directory, kill_trial=None, kill_epoch=None):
     import keras_mgpu
 
     strategy = keras_mgpu.auto_strategy(virtual_cpus=2)
-    import keras_tuner
-
-    log_path = os.path.join(directory, "epochs.jsonl")
-    hypermodel = make_recording_hypermodel(
-        log_path, kill_trial, kill_epoch, per_replica_batch_size=8)
-    tuner = keras_tuner.RandomSearch(
-        hypermodel, objective="loss", max_trials=3, seed=3,
-        directory=directory, project_name="resume", overwrite=False,
-        distribution_strategy=strategy)
-    x, y = data()
-    tuner.search(x, y, epochs=4, verbose=0)
-    return {
-        "trials": {t.trial_id: t.status for t in tuner.oracle.trials.values()},
-    }
+    return search_resumable(
+        resumable_tuner(directory, strategy, kill_trial, kill_epoch))
 
 
 def parallel_search(directory, max_trials=4, rendezvous=None,

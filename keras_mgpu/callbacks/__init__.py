@@ -5,6 +5,7 @@ from keras_mgpu.callbacks.backup_and_restore import RETRIED_EXIT_CODES  # noqa: 
 from keras_mgpu.callbacks.backup_and_restore import BackupAndRestore  # noqa: F401
 from keras_mgpu.callbacks.backup_and_restore import BackupDirInUse  # noqa: F401
 from keras_mgpu.callbacks.backup_and_restore import list_presets  # noqa: F401
+from keras_mgpu.callbacks.callback_state import register_callback_state  # noqa: F401
 from keras_mgpu.callbacks.distributed_logger import JSONL_KEYS  # noqa: F401
 from keras_mgpu.callbacks.distributed_logger import LogDirInUse  # noqa: F401
 from keras_mgpu.callbacks.distributed_logger import DistributedLogger  # noqa: F401

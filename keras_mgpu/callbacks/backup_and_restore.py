@@ -23,6 +23,7 @@ import tensorflow as tf
 
 from keras_mgpu._checks import is_nonempty_path, is_positive_int, is_url
 from keras_mgpu import compat
+from keras_mgpu.callbacks import callback_state
 from keras_mgpu.callbacks._console import print_msg
 from keras_mgpu.callbacks._backup_lock import BackupDirInUse, OwnerLock  # noqa: F401
 from keras_mgpu import strategy as strategy_lib
@@ -53,14 +54,6 @@ PRESETS = {
         "save_on_sigterm": True,
         "exit_code": RESTART_EXIT_CODE,
     },
-}
-
-# Callback attributes that decide what happens after a restart.
-_CALLBACK_STATE = {
-    keras.callbacks.EarlyStopping: ("wait", "stopped_epoch", "best",
-                                    "best_epoch"),
-    keras.callbacks.ModelCheckpoint: ("best",),
-    keras.callbacks.ReduceLROnPlateau: ("best", "wait", "cooldown_counter"),
 }
 
 # The background write of each backup_dir, while it may still run: a fit
@@ -98,8 +91,12 @@ class BackupAndRestore(keras.callbacks.Callback):
     schedule's position, the loss scale, `GradientAccumulationModel`
     accumulators and the dropout seed generators), starts at the interrupted
     epoch, skips the batches that epoch had already consumed, and restores
-    the state of `EarlyStopping`, `ModelCheckpoint` and `ReduceLROnPlateau`
-    callbacks in the same `fit` call.
+    the state of the stateful callbacks in the same `fit` call:
+    `EarlyStopping` (its best weights too), `ModelCheckpoint`,
+    `ReduceLROnPlateau`, and any callback with `get_state()` and
+    `set_state(state)` methods or a class registered with
+    `keras_mgpu.callbacks.register_callback_state` (its arrays in the
+    generation's `callbacks.npz`).
 
     A save stalls training only to copy the state into host memory: the
     variables (device-to-host copies) and the small state, a fifth to a
@@ -162,12 +159,11 @@ class BackupAndRestore(keras.callbacks.Callback):
     (reading replica-local variables is a collective), only the chief writes
     to `backup_dir`, and all workers resume from the same generation.
 
-    An epoch's end is saved in `on_epoch_end`, as Keras saves it. If an
-    `EarlyStopping`, `ModelCheckpoint` or `ReduceLROnPlateau` comes after
-    this callback in the list, it is saved when the next epoch begins
-    instead, once their `on_epoch_end` has set the state saved with it (a
-    crash in between reruns that epoch): list this callback last to avoid
-    that.
+    An epoch's end is saved in `on_epoch_end`, as Keras saves it. If a
+    stateful callback comes after this callback in the list, it is saved
+    when the next epoch begins instead, once its `on_epoch_end` has set the
+    state saved with it (a crash in between reruns that epoch): list this
+    callback last to avoid that.
 
     Not restored: the running averages of the interrupted epoch's metrics
     (Keras restarts them each epoch; after a resume they cover the batches
@@ -368,7 +364,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         # the next epoch's start, when that state is final.
         mine = next((i for i, c in enumerate(callbacks) if c is self), None)
         later = [] if mine is None else callbacks[mine + 1:]
-        self._defer_epoch_end = bool(_stateful_callbacks(later))
+        self._defer_epoch_end = bool(callback_state.stateful_callbacks(later))
+        # A callback with half the protocol fails here, before training.
+        callback_state.stateful_callbacks(self._siblings)
         self._epoch = 0
         self._last_saved_step = self._runtime.global_step
         self._pending_callback_state = None
@@ -402,7 +400,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         if self._pending_callback_state is not None:
             # Applied here, not in on_train_begin: EarlyStopping resets its
             # own state in its on_train_begin, which may run after ours.
-            _set_callback_state(self._siblings, self._pending_callback_state)
+            callback_state.restore(self._siblings,
+                                   self._pending_callback_state)
             self._pending_callback_state = None
 
     def on_train_batch_begin(self, batch, logs=None):
@@ -521,6 +520,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         runtime_state = self._runtime.state()
         if not self._chief:
             return
+        callbacks, callback_arrays = callback_state.snapshot(self._siblings)
         if step_in_epoch == 0 and runtime_state["epoch_samples"] is not None:
             # Saved at an epoch's end: the next epoch has trained nothing
             # yet (what the runtime reports once it begins).
@@ -533,10 +533,13 @@ class BackupAndRestore(keras.callbacks.Callback):
             "runtime": runtime_state,
             "architecture": _fingerprint(self.model),
             "training": _training_config(self.model, self.params),
-            "callbacks": _get_callback_state(self._siblings),
+            "callbacks": callbacks,
             "time": time.time(),
         }
-        self._write = _Write(self._write_generation, weights, extra, state)
+        files = ({} if callback_arrays is None
+                 else {callback_state.ARRAYS_FILE: callback_arrays})
+        self._write = _Write(self._write_generation, weights, extra, state,
+                             files)
         _writes_in_flight[self.backup_dir] = self._write
 
     def _finish_write(self) -> Optional[int]:
@@ -554,10 +557,11 @@ class BackupAndRestore(keras.callbacks.Callback):
         return write.number
 
     def _write_generation(self, weights: list, extra: list,
-                          state: dict) -> int:
+                          state: dict, more_files: dict) -> int:
         """Writes one generation from a snapshot (on the writer thread):
         every file once, from memory, its checksum taken from the same
-        bytes; returns its number."""
+        bytes; returns its number. `more_files`: name to bytes (the
+        callbacks' arrays)."""
         existing = _generations(self.backup_dir)
         number = (existing[0] + 1) if existing else 1
         tmp = _join(self.backup_dir, f"{_TMP_PREFIX}{number}-{uuid.uuid4().hex}")
@@ -568,6 +572,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 _WEIGHTS: compat.weights_file(weights),
                 _EXTRA: buffer.getvalue(),
                 _STATE: json.dumps(state, allow_nan=True).encode(),
+                **more_files,
             }
             if not is_url(self.backup_dir):
                 # A clear error before anything is written, rather than a
@@ -690,7 +695,9 @@ class BackupAndRestore(keras.callbacks.Callback):
                              epoch=state["epoch"],
                              step_in_epoch=state["step_in_epoch"])
         self._last_saved_step = self._runtime.global_step
-        self._pending_callback_state = state["callbacks"]
+        self._pending_callback_state = callback_state.decode(
+            state["callbacks"], files.get(callback_state.ARRAYS_FILE),
+            f"generation {chosen} in {self.backup_dir}")
         if self._chief:
             # Epochs counted as Keras's progress bar counts them; the step is
             # the batches of that epoch already trained.
@@ -1052,48 +1059,6 @@ def _flatten(config, prefix: str = "") -> dict:
         flat.update(_flatten(value, f"{prefix}{key}." if isinstance(
             value, dict) else f"{prefix}{key}"))
     return flat
-
-
-def _stateful_callbacks(callbacks) -> list:
-    """(class name, attributes, callback) for callbacks whose state matters."""
-    found = []
-    for callback in callbacks:
-        for cls, attributes in _CALLBACK_STATE.items():
-            if isinstance(callback, cls):
-                found.append((cls.__name__, attributes, callback))
-                break
-    return found
-
-
-def _get_callback_state(callbacks) -> list:
-    return [
-        {"class": name, "values": {a: _plain(getattr(callback, a, None))
-                                   for a in attributes}}
-        for name, attributes, callback in _stateful_callbacks(callbacks)
-    ]
-
-
-def _set_callback_state(callbacks, states) -> None:
-    # The k-th EarlyStopping of this run gets the k-th one's state, and so
-    # on: other callbacks may come and go between runs.
-    current = _stateful_callbacks(callbacks)
-    if [name for name, _, _ in current] != [s["class"] for s in states]:
-        warnings.warn(
-            "BackupAndRestore: the run has other stateful callbacks "
-            f"({[name for name, _, _ in current]}) than the backed-up run "
-            f"({[s['class'] for s in states]}); their state was not restored.",
-            stacklevel=2,
-        )
-        return
-    for (_, _, callback), state in zip(current, states):
-        for attribute, value in state["values"].items():
-            setattr(callback, attribute, value)
-
-
-def _plain(value):
-    if isinstance(value, (np.generic, np.ndarray)):
-        return value.tolist()
-    return value
 
 
 def _sum_over_workers(strategy, value: float) -> float:
