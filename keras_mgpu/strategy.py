@@ -336,7 +336,10 @@ def auto_strategy(
     A `MultiWorkerMirroredStrategy` also enables
     `keras_mgpu.compat.enable_multi_worker_fit()`, so that `model.fit` works,
     and every strategy enables `keras_mgpu.compat.enable_multi_step_fit()`,
-    so that `compile(steps_per_execution=N)` works on several replicas.
+    so that `compile(steps_per_execution=N)` works on several replicas, and
+    `keras_mgpu.compat.enable_exact_clipping()`, so that `clipnorm`,
+    `clipvalue` and `global_clipnorm` clip the all-reduced gradient, as on
+    one device.
 
     Args:
         virtual_cpus: Defaults to `None`. If set, split the host CPU into this
@@ -383,6 +386,7 @@ def auto_strategy(
 
     info = cluster_info()
     compat.enable_multi_step_fit()
+    compat.enable_exact_clipping()
     num_gpus = len(tf.config.list_physical_devices("GPU"))
     kind = strategy_kind(info, num_gpus, virtual_cpus, devices)
     if kind == "multi_worker":

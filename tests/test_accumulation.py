@@ -7,7 +7,7 @@ import pytest
 import keras
 import tensorflow as tf
 
-from keras_mgpu import GradientAccumulationModel
+from keras_mgpu import GradientAccumulationModel, compat
 from tests import workers
 from tests.conftest import mirrored
 
@@ -225,27 +225,35 @@ class CountingAllReduce(tf.distribute.ReductionToOneDevice):
 
 @pytest.mark.parametrize("run_eagerly", [True, False])
 def test_one_all_reduce_per_optimizer_step(run_eagerly):
+    # With exact clipping on (auto_strategy applies it), a clipped plain
+    # `fit` all-reduces before it clips, and only then; the wrapper, which
+    # reduces itself, is left alone.
+    compat.enable_exact_clipping()
     micro = micro_batches([8] * 12)
     kernel_shape = (workers.FEATURES, 16)
     counts = {}
-    for name, accum_steps in (("plain", None), ("accumulated", 4)):
+    for name, accum_steps, optimizer in (
+            ("plain", None, "adam"),
+            ("clipped", None, "adam_global_clipnorm"),
+            ("accumulated", 4, "adam_global_clipnorm")):
         ops = CountingAllReduce(kernel_shape)
         cls = type("CountingMirrored", (tf.distribute.MirroredStrategy,),
                    {"_collective_key_base": 50_000})
         strategy = cls(["/cpu:0", "/cpu:1"], cross_device_ops=ops)
         model = train(strategy, batches_dataset(micro),
-                      accum_steps=accum_steps, run_eagerly=run_eagerly)
+                      accum_steps=accum_steps, optimizer=optimizer,
+                      run_eagerly=run_eagerly)
         counts[name] = ops.calls
         expected_steps = 12 if accum_steps is None else 3
         assert int(model.optimizer.iterations.numpy()) == expected_steps
     if run_eagerly:
         # Python runs every step: the count is the executed all-reduces.
-        assert counts == {"plain": 12, "accumulated": 3}
+        assert counts == {"plain": 12, "clipped": 12, "accumulated": 3}
     else:
         # Traced once: one all-reduce in the graph, inside the branch that
         # runs on a window's last micro-batch only (the eager case above
         # shows the branch is not taken on the others).
-        assert counts == {"plain": 1, "accumulated": 1}
+        assert counts == {"plain": 1, "clipped": 1, "accumulated": 1}
 
 
 def test_steps_per_execution_and_jit_compile():
