@@ -399,10 +399,20 @@ def test_half_finished_window_survives_save_and_restore(tmp_path, replicas):
     assert max_diff(weights_of(resumed), weights_of(full)) < 1e-6
 
 
-@pytest.mark.parametrize("bad", [0, -2, 2.5, True, "4", None])
+@pytest.mark.parametrize("bad", [0, -2, 2.5, True, "4", None, 2**31, 2**70])
 def test_bad_accum_steps(bad):
-    with pytest.raises(ValueError, match=f"got {bad!r}"):
+    with pytest.raises(ValueError, match=f"got {bad!r}") as info:
         GradientAccumulationModel(workers.build_mlp(), accum_steps=bad)
+    assert "an integer from 1 to 2147483647 (2**31 - 1)" in str(info.value)
+
+
+@pytest.mark.parametrize("mode", ["window", "in_step"])
+def test_largest_accum_steps_trains(mode):
+    # One window longer than any epoch: applied (partial) at its end.
+    model = train(mirrored(1), batches_dataset(micro_batches([8, 8])),
+                  accum_steps=2**31 - 1, mode=mode)
+    assert int(model.optimizer.iterations.numpy()) == (
+        1 if mode == "window" else 2)
 
 
 def test_bad_partial_window():
