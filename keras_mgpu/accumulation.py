@@ -15,6 +15,9 @@ PARTIAL_WINDOW_MODES = ("apply", "carry", "drop")
 MODES = ("window", "in_step")
 # The loss scale never drops below this under GradientAccumulationModel.
 MIN_LOSS_SCALE = 1.0
+# The largest `accum_steps`: in-step mode splits a batch in TensorFlow's
+# int32 arithmetic (`tf.shape`).
+MAX_ACCUM_STEPS = 2**31 - 1
 
 
 @keras.saving.register_keras_serializable(package="keras_mgpu")
@@ -106,8 +109,9 @@ class GradientAccumulationModel(keras.Model):
         model: The Keras model to train (Sequential, Functional or
             subclassed, built or not). Compile the wrapper, not this model.
             It stays reachable as `.inner` for export without the wrapper.
-        accum_steps: Defaults to 4. Micro-batches per optimizer step, a
-            positive integer. 1 behaves like plain `fit`.
+        accum_steps: Defaults to 4. Micro-batches per optimizer step, an
+            integer from 1 to `MAX_ACCUM_STEPS` (2**31 - 1). 1 behaves like
+            plain `fit`.
         partial_window: Defaults to `"apply"`. What happens to a window that
             the end of an epoch cuts short:
             `"apply"`: apply it, weighted by its real sample count (10
@@ -526,8 +530,9 @@ class GradientAccumulationModel(keras.Model):
     def _micro_batch_loop(self, x, y, sample_weight):
         data = (x, y, sample_weight)
         batch_size = tf.shape(next(t for t in tf.nest.flatten(x)))[0]
-        size = tf.maximum((batch_size + self.accum_steps - 1)
-                          // self.accum_steps, 1)
+        # The ceiling of batch_size / accum_steps, without an int32
+        # overflow for any accum_steps up to MAX_ACCUM_STEPS.
+        size = tf.maximum((batch_size - 1) // self.accum_steps + 1, 1)
         rest = tf.maximum((batch_size + size - 1) // size - 1, 0)
         first = batch_size - rest * size
         # The first micro-batch runs outside the loop: it gives the loop
@@ -777,11 +782,11 @@ def _validate(model, accum_steps, partial_window, mode) -> None:
             "batch is a whole window (a short last batch is one smaller, "
             "exact step): leave partial_window at 'apply'."
         )
-    if not is_positive_int(accum_steps):
+    if not is_positive_int(accum_steps) or accum_steps > MAX_ACCUM_STEPS:
         raise ValueError(
-            f"accum_steps must be a positive integer, got {accum_steps!r}. "
-            "Use 1 for no accumulation, N to apply one optimizer step per N "
-            "micro-batches."
+            f"accum_steps must be an integer from 1 to {MAX_ACCUM_STEPS} "
+            f"(2**31 - 1), got {accum_steps!r}. Use 1 for no accumulation, "
+            "N to apply one optimizer step per N micro-batches."
         )
     if partial_window not in PARTIAL_WINDOW_MODES:
         raise ValueError(

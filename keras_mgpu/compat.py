@@ -72,9 +72,11 @@ _INPUT_WAIT = "the training runtime's input-wait timing"
 _TUNER = "the tuner's learning-rate scaling"
 _TUNER_STATE = "the tuner's oracle-state fix (KerasTuner's ongoing trials)"
 _TUNER_BEST = "the resumed trial's best checkpoint (KerasTuner's SaveBestEpoch)"
-_WORKAROUNDS = (_MULTI_WORKER_FIX, _MULTI_STEP_FIX, _ACCUMULATION, _MIXED,
-                _BACKUP, _TELEMETRY, _INPUT_WAIT, _TUNER, _TUNER_STATE,
-                _TUNER_BEST)
+_EXACT_CLIPPING = ("exact gradient clipping under a strategy (clipping the "
+                   "all-reduced gradient)")
+_WORKAROUNDS = (_MULTI_WORKER_FIX, _MULTI_STEP_FIX, _EXACT_CLIPPING,
+                _ACCUMULATION, _MIXED, _BACKUP, _TELEMETRY, _INPUT_WAIT,
+                _TUNER, _TUNER_STATE, _TUNER_BEST)
 
 
 class KerasInternalsError(RuntimeError):
@@ -399,6 +401,160 @@ def enable_multi_step_fit() -> bool:
     return True
 
 
+# --- Gradient clipping under a strategy --------------------------------------
+# In replica context Keras's TensorFlow optimizer clips (`_clip_gradients`,
+# in `BaseOptimizer._backend_apply_gradients`) before it all-reduces
+# (`TFOptimizer._all_reduce_sum_gradients`, in `_backend_update_step`, since
+# keras-team/keras#19467 and #19969): `clipnorm`, `clipvalue` and
+# `global_clipnorm` act on each replica's share of the gradient, not on the
+# gradient one device would see (tf.keras 2 refused clipping under a
+# strategy for this reason: tensorflow/tensorflow#33929). The fix
+# all-reduces inside `_clip_gradients`, before clipping, and lets the later
+# all-reduce pass those gradients through: still one all-reduce per step.
+# Remove it once `test_stock_keras_still_clips_each_replica` in
+# tests/test_compat.py fails, i.e. once Keras clips the all-reduced gradient
+# itself.
+
+_exact_clipping_enabled = False
+# The gradients this thread has all-reduced and not yet handed to the
+# optimizer's own all-reduce. Per thread: MirroredStrategy runs each
+# replica's step in a thread of its own, interleaved at its merge calls.
+_reduced_here = threading.local()
+_CLIP_ARGUMENTS = ("clipnorm", "clipvalue", "global_clipnorm")
+
+
+def exact_clipping_enabled() -> bool:
+    """Whether `enable_exact_clipping()` has patched Keras in this process."""
+    return _exact_clipping_enabled
+
+
+def _keep_reduced(grads_and_vars):
+    # Stands in for the optimizer's all-reduce where gradients arrive
+    # all-reduced already (`gradients_already_reduced`).
+    return list(grads_and_vars)
+
+
+def _reduction_taken_over(optimizer) -> bool:
+    return vars(optimizer).get("_all_reduce_sum_gradients") is _keep_reduced
+
+
+def _clips(optimizer) -> bool:
+    return any(getattr(optimizer, name, None) for name in _CLIP_ARGUMENTS)
+
+
+def _same_tensors(a, b) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
+def _take_reduced(grads) -> bool:
+    """Whether `grads` are the ones this thread all-reduced last (and
+    forgets them: each all-reduce stands in for one other)."""
+    done = getattr(_reduced_here, "grads", None)
+    _reduced_here.grads = None
+    return done is not None and _same_tensors(done, grads)
+
+
+def enable_exact_clipping() -> bool:
+    """Makes `clipnorm`, `clipvalue` and `global_clipnorm` clip the
+    all-reduced gradient under a strategy, as on one device.
+
+    Keras's TensorFlow optimizer clips each replica's gradient before it
+    sums them across replicas, so under `MirroredStrategy` or
+    `MultiWorkerMirroredStrategy` a clipped `fit` trains differently from the
+    same global batch on one device (and `global_clipnorm` bounds each
+    replica's share, not the gradient). With this fix, an optimizer that
+    clips, called in replica context on more than one replica, sums the
+    gradients across replicas first and then clips them, and Keras's own
+    all-reduce passes them through: one all-reduce per step, as before.
+
+    Nothing changes on one replica, for an optimizer that does not clip,
+    with Keras's own `gradient_accumulation_steps` (clipped inside its own
+    update branch, which fails under a strategy anyway:
+    keras-team/keras#20582), or where the gradients arrive all-reduced
+    already (`GradientAccumulationModel` clips the all-reduced window
+    gradient itself). `LossScaleOptimizer` (`mixed_float16`) clips through
+    its inner optimizer, so it is covered too.
+
+    Applied by `keras_mgpu.auto_strategy()`, never by `import keras_mgpu`.
+    Call it yourself when you create your own strategy. It is decided by
+    the optimizer's shape, not a version: a Keras whose
+    `TFOptimizer._clip_gradients` or `_all_reduce_sum_gradients` is missing
+    or has another signature gets `KerasInternalsError` here, before any
+    training; where Keras all-reduces before it clips, the gradients are
+    not reduced twice. It is idempotent.
+
+    Returns:
+        `True`: the patch is active after the call.
+
+    Example:
+
+    >>> from keras_mgpu import compat
+    >>> compat.enable_exact_clipping()
+    True
+    >>> compat.exact_clipping_enabled()
+    True
+    """
+    global _exact_clipping_enabled
+    with _lock:
+        if _exact_clipping_enabled:
+            return True
+        import tensorflow as tf
+        from keras.src.backend.tensorflow.optimizer import TFOptimizer
+
+        clip = _require(TFOptimizer, "_clip_gradients", _EXACT_CLIPPING,
+                        params=("self", "grads"))
+        all_reduce = _require(
+            TFOptimizer, "_all_reduce_sum_gradients", _EXACT_CLIPPING,
+            params=("self", "grads_and_vars"))
+        # Keras's own, should this process have patched them before.
+        clip = getattr(clip, "_keras_stock", clip)
+        all_reduce = getattr(all_reduce, "_keras_stock", all_reduce)
+
+        def reduces_first(optimizer, grads):
+            if not (_exact_clipping_enabled and _clips(optimizer)):
+                return False
+            context = tf.distribute.get_replica_context()
+            return (
+                context is not None
+                and context.num_replicas_in_sync > 1
+                and not getattr(optimizer, "gradient_accumulation_steps",
+                                None)
+                and not _reduction_taken_over(optimizer)
+                # A Keras that all-reduced before clipping.
+                and not _take_reduced(grads)
+            )
+
+        def _clip_gradients(self, grads):
+            if not reduces_first(self, grads):
+                return clip(self, grads)
+            # Keras's own all-reduce (SUM of the per-replica gradients of
+            # losses already divided by the replica count: the global mean).
+            # It reads the variables only to name them in errors.
+            reduced = [g for g, _ in all_reduce(self, [(g, None)
+                                                       for g in grads])]
+            clipped = clip(self, reduced)
+            _reduced_here.grads = [g for g in clipped if g is not None]
+            return clipped
+
+        def _all_reduce_sum_gradients(self, grads_and_vars):
+            grads_and_vars = list(grads_and_vars)
+            grads = [g for g, _ in grads_and_vars if g is not None]
+            if _exact_clipping_enabled and _take_reduced(grads):
+                return grads_and_vars
+            reduced = all_reduce(self, grads_and_vars)
+            if _exact_clipping_enabled and _clips(self):
+                # Should Keras clip after this, it clips these as they are.
+                _reduced_here.grads = [g for g, _ in reduced if g is not None]
+            return reduced
+
+        _clip_gradients._keras_stock = clip
+        _all_reduce_sum_gradients._keras_stock = all_reduce
+        TFOptimizer._clip_gradients = _clip_gradients
+        TFOptimizer._all_reduce_sum_gradients = _all_reduce_sum_gradients
+        _exact_clipping_enabled = True
+    return True
+
+
 # --- Gradient accumulation (keras_mgpu.accumulation) -------------------------
 # The train-step building blocks below are the ones Keras's own
 # `TensorFlowTrainer.train_step` uses; the optimizer hooks are the
@@ -458,7 +614,8 @@ def gradients_already_reduced(optimizer):
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     _require(type(inner), "_all_reduce_sum_gradients", _ACCUMULATION,
              params=("self", "grads_and_vars"))
-    inner._all_reduce_sum_gradients = list
+    # `enable_exact_clipping` recognises it: no all-reduce before clipping.
+    inner._all_reduce_sum_gradients = _keep_reduced
     try:
         yield
     finally:

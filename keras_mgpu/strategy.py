@@ -275,6 +275,51 @@ def _check_devices(devices) -> None:
         )
 
 
+def _local_place(spec: tf.DeviceSpec):
+    # "/gpu:0" and "/job:localhost/replica:0/task:0/device:GPU:0" name the
+    # same device of this process.
+    if (spec.job in (None, "localhost") and spec.replica in (None, 0)
+            and spec.task in (None, 0)):
+        return None
+    return (spec.job, spec.replica or 0, spec.task or 0)
+
+
+def _names_device(wanted: tf.DeviceSpec, device: tf.DeviceSpec) -> bool:
+    return (
+        _local_place(wanted) == _local_place(device)
+        and (wanted.device_type or "").upper()
+        == (device.device_type or "").upper()
+        and wanted.device_index in (None, device.device_index)
+    )
+
+
+def _check_devices_exist(devices) -> None:
+    # TensorFlow would place a OneDeviceStrategy on a missing GPU on the CPU
+    # instead, without a word.
+    existing = [d.name for d in tf.config.list_logical_devices()]
+    specs = [tf.DeviceSpec.from_string(name) for name in existing]
+    missing = []
+    for name in devices:
+        try:
+            wanted = tf.DeviceSpec.from_string(name)
+        except ValueError as e:
+            raise ValueError(
+                f"auto_strategy(devices={list(devices)!r}): {name!r} is not "
+                f"a device name ({e}). Use names such as '/gpu:0' or "
+                "'/cpu:0'."
+            ) from None
+        if not any(_names_device(wanted, spec) for spec in specs):
+            missing.append(name)
+    if missing:
+        raise ValueError(
+            f"auto_strategy(devices={list(devices)!r}): this machine has no "
+            f"device {', '.join(map(repr, missing))}; TensorFlow sees "
+            f"{', '.join(existing)}. Name devices from that list, or leave "
+            "devices=None to use every local GPU. (A GPU hidden by "
+            "CUDA_VISIBLE_DEVICES, or without a working driver, is not seen.)"
+        )
+
+
 def configure_virtual_cpus(n: int) -> list:
     """Splits the host CPU into `n` logical devices (once per process).
 
@@ -336,13 +381,18 @@ def auto_strategy(
     A `MultiWorkerMirroredStrategy` also enables
     `keras_mgpu.compat.enable_multi_worker_fit()`, so that `model.fit` works,
     and every strategy enables `keras_mgpu.compat.enable_multi_step_fit()`,
-    so that `compile(steps_per_execution=N)` works on several replicas.
+    so that `compile(steps_per_execution=N)` works on several replicas, and
+    `keras_mgpu.compat.enable_exact_clipping()`, so that `clipnorm`,
+    `clipvalue` and `global_clipnorm` clip the all-reduced gradient, as on
+    one device.
 
     Args:
         virtual_cpus: Defaults to `None`. If set, split the host CPU into this
             many logical devices and mirror over them: real multi-replica
             training without GPUs, for trying and testing.
-        devices: Defaults to `None`. Device names to mirror over.
+        devices: Defaults to `None`. Device names to mirror over, each a
+            device TensorFlow sees in this process (`ValueError` naming
+            the missing ones and those that exist otherwise).
         cross_device_ops: Defaults to `None` (NCCL on GPUs, TensorFlow's choice
             otherwise). A `tf.distribute.CrossDeviceOps` for a mirrored
             strategy, e.g. `tf.distribute.HierarchicalCopyAllReduce()` on
@@ -360,7 +410,8 @@ def auto_strategy(
         The strategy. Build and compile models inside `strategy.scope()`.
 
     Raises:
-        ValueError: on a malformed `TF_CONFIG` or conflicting arguments.
+        ValueError: on a malformed `TF_CONFIG`, conflicting arguments, or
+            `devices` naming a device this machine does not have.
         RuntimeError: when TensorFlow already initialised its devices and the
             chosen strategy needs to configure them, or when the workers of
             a cluster did not all connect within `startup_timeout`.
@@ -383,12 +434,15 @@ def auto_strategy(
 
     info = cluster_info()
     compat.enable_multi_step_fit()
+    compat.enable_exact_clipping()
     num_gpus = len(tf.config.list_physical_devices("GPU"))
     kind = strategy_kind(info, num_gpus, virtual_cpus, devices)
     if kind == "multi_worker":
         return _multi_worker_strategy(info, cross_device_ops, startup_timeout)
     if virtual_cpus is not None:
         devices = configure_virtual_cpus(virtual_cpus)
+    elif devices is not None:
+        _check_devices_exist(devices)
     if kind == "one_device":
         return tf.distribute.OneDeviceStrategy(devices[0])
     if kind == "default":

@@ -7,7 +7,7 @@ import pytest
 import keras
 import tensorflow as tf
 
-from keras_mgpu import GradientAccumulationModel
+from keras_mgpu import GradientAccumulationModel, compat
 from tests import workers
 from tests.conftest import mirrored
 
@@ -225,27 +225,35 @@ class CountingAllReduce(tf.distribute.ReductionToOneDevice):
 
 @pytest.mark.parametrize("run_eagerly", [True, False])
 def test_one_all_reduce_per_optimizer_step(run_eagerly):
+    # With exact clipping on (auto_strategy applies it), a clipped plain
+    # `fit` all-reduces before it clips, and only then; the wrapper, which
+    # reduces itself, is left alone.
+    compat.enable_exact_clipping()
     micro = micro_batches([8] * 12)
     kernel_shape = (workers.FEATURES, 16)
     counts = {}
-    for name, accum_steps in (("plain", None), ("accumulated", 4)):
+    for name, accum_steps, optimizer in (
+            ("plain", None, "adam"),
+            ("clipped", None, "adam_global_clipnorm"),
+            ("accumulated", 4, "adam_global_clipnorm")):
         ops = CountingAllReduce(kernel_shape)
         cls = type("CountingMirrored", (tf.distribute.MirroredStrategy,),
                    {"_collective_key_base": 50_000})
         strategy = cls(["/cpu:0", "/cpu:1"], cross_device_ops=ops)
         model = train(strategy, batches_dataset(micro),
-                      accum_steps=accum_steps, run_eagerly=run_eagerly)
+                      accum_steps=accum_steps, optimizer=optimizer,
+                      run_eagerly=run_eagerly)
         counts[name] = ops.calls
         expected_steps = 12 if accum_steps is None else 3
         assert int(model.optimizer.iterations.numpy()) == expected_steps
     if run_eagerly:
         # Python runs every step: the count is the executed all-reduces.
-        assert counts == {"plain": 12, "accumulated": 3}
+        assert counts == {"plain": 12, "clipped": 12, "accumulated": 3}
     else:
         # Traced once: one all-reduce in the graph, inside the branch that
         # runs on a window's last micro-batch only (the eager case above
         # shows the branch is not taken on the others).
-        assert counts == {"plain": 1, "accumulated": 1}
+        assert counts == {"plain": 1, "clipped": 1, "accumulated": 1}
 
 
 def test_steps_per_execution_and_jit_compile():
@@ -391,10 +399,20 @@ def test_half_finished_window_survives_save_and_restore(tmp_path, replicas):
     assert max_diff(weights_of(resumed), weights_of(full)) < 1e-6
 
 
-@pytest.mark.parametrize("bad", [0, -2, 2.5, True, "4", None])
+@pytest.mark.parametrize("bad", [0, -2, 2.5, True, "4", None, 2**31, 2**70])
 def test_bad_accum_steps(bad):
-    with pytest.raises(ValueError, match=f"got {bad!r}"):
+    with pytest.raises(ValueError, match=f"got {bad!r}") as info:
         GradientAccumulationModel(workers.build_mlp(), accum_steps=bad)
+    assert "an integer from 1 to 2147483647 (2**31 - 1)" in str(info.value)
+
+
+@pytest.mark.parametrize("mode", ["window", "in_step"])
+def test_largest_accum_steps_trains(mode):
+    # One window longer than any epoch: applied (partial) at its end.
+    model = train(mirrored(1), batches_dataset(micro_batches([8, 8])),
+                  accum_steps=2**31 - 1, mode=mode)
+    assert int(model.optimizer.iterations.numpy()) == (
+        1 if mode == "window" else 2)
 
 
 def test_bad_partial_window():

@@ -1,6 +1,7 @@
 """keras_mgpu.compat: gates decided by what Keras does, checked private names,
 one warning on an untested Keras."""
 
+import functools
 import json
 import os
 import warnings
@@ -410,6 +411,111 @@ def test_multi_step_fix_refuses_a_changed_trainer(monkeypatch):
                              r"execution fix"):
         compat.enable_multi_step_fit()
     assert not compat.multi_step_fit_enabled()
+
+
+# --- Gradient clipping under a strategy --------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _clipped_weights(optimizer, replicas, exact, policy="float32"):
+    """`workers.clipped_fit` on `replicas` under the dtype `policy`, with
+    the clipping fix on, or off (Keras's own optimizer, as if never
+    enabled)."""
+    compat.enable_exact_clipping()
+    compat._exact_clipping_enabled = exact
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        return workers.clipped_fit(mirrored(replicas), optimizer)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+        compat._exact_clipping_enabled = True
+
+
+def _max_diff(a, b):
+    return max(float(np.abs(x - y).max()) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("optimizer", workers.CLIPPING)
+def test_clipping_on_two_replicas_matches_one_device(optimizer):
+    """Plain `fit` with clipnorm, clipvalue or global_clipnorm on 2
+    replicas, with compat.enable_exact_clipping, against the same global
+    batches on one device (Keras's own optimizer)."""
+    one = _clipped_weights(optimizer, 1, exact=False)
+    start = workers.initial_weights(workers.build_mlp())
+    assert _max_diff(one, start) > 1e-2
+    assert _max_diff(_clipped_weights(optimizer, 2, exact=True), one) < 1e-5
+
+
+def test_clipping_on_one_device_is_unchanged_to_the_bit():
+    one = _clipped_weights("adam_global_clipnorm", 1, exact=False)
+    for a, b in zip(_clipped_weights("adam_global_clipnorm", 1, exact=True),
+                    one):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_stock_keras_still_clips_each_replica():
+    """What compat.enable_exact_clipping works around, in the installed
+    Keras's own optimizer (the fix switched off): under MirroredStrategy(2)
+    each replica's gradient is clipped before the all-reduce, so a clipped
+    `fit` ends away from one device. If this fails, Keras clips the
+    all-reduced gradient itself, and the fix can go."""
+    off = _max_diff(_clipped_weights("adam_global_clipnorm", 2, exact=False),
+                    _clipped_weights("adam_global_clipnorm", 1, exact=False))
+    assert off > 1e-3, (
+        f"Keras {keras.__version__} clips the all-reduced gradient itself "
+        f"({off:.1e} from one device): compat.enable_exact_clipping is no "
+        "longer needed.")
+
+
+def test_clipping_under_a_loss_scale_matches_one_device():
+    """mixed_float16: LossScaleOptimizer clips through its inner optimizer."""
+    one, two = (_clipped_weights("adam_global_clipnorm", replicas,
+                                 exact=True, policy="mixed_float16")
+                for replicas in (1, 2))
+    # float16 sums 16 rows per replica instead of 32: about 1e-4 apart;
+    # clipping per replica ends about 2e-2 away.
+    assert _max_diff(two, one) < 1e-3
+
+
+def test_clipping_reduces_once_where_keras_reduces_before_clipping():
+    """On a Keras that all-reduces before it clips (as a fix upstream
+    would), the gradients arrive all-reduced and are not reduced again."""
+    compat.enable_exact_clipping()
+
+    class ReducesFirst(keras.optimizers.SGD):
+        def _backend_apply_gradients(self, grads, variables):
+            pairs = self._all_reduce_sum_gradients(zip(grads, variables))
+            super()._backend_apply_gradients([g for g, _ in pairs],
+                                             variables)
+
+        def _backend_update_step(self, grads, variables, learning_rate):
+            # Keras's, without its all-reduce (made above).
+            tf.__internal__.distribute.interim.maybe_merge_call(
+                self._distributed_tf_update_step,
+                self._distribution_strategy,
+                list(zip(grads, [v.value for v in variables])),
+                learning_rate)
+
+    # (Clipping by value: a gradient summed twice is clipped differently.)
+    def optimizer():
+        return ReducesFirst(0.1, clipvalue=0.01)
+
+    one = workers.clipped_fit(mirrored(1), optimizer)
+    assert _max_diff(workers.clipped_fit(mirrored(2), optimizer), one) < 1e-5
+
+
+def test_exact_clipping_refuses_a_changed_optimizer(monkeypatch):
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+
+    monkeypatch.setattr(compat, "_exact_clipping_enabled", False)
+    monkeypatch.setattr(TFOptimizer, "_clip_gradients",
+                        lambda self, grads_and_vars: grads_and_vars)
+    with pytest.raises(compat.KerasInternalsError,
+                       match=r"TFOptimizer._clip_gradients.*exact gradient "
+                             r"clipping under a strategy") as info:
+        compat.enable_exact_clipping()
+    assert f"Keras {keras.__version__}" in str(info.value)
+    assert not compat.exact_clipping_enabled()
 
 
 # --- KerasTuner's oracle state ------------------------------------------------

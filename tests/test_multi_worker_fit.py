@@ -50,6 +50,17 @@ def test_multi_worker_fit_matches_mirrored_and_single_device(
                                single["predictions"], atol=1e-5)
 
 
+def test_multi_worker_clipping_matches_one_process(run_workers):
+    """clipnorm, clipvalue and global_clipnorm on 2 workers (auto_strategy
+    applies compat.enable_exact_clipping) train as one process does on the
+    same global batches, not clipped per worker."""
+    results = run_workers(workers.multi_worker_clipped_fits)
+    for name in workers.CLIPPING:
+        single = workers.clipped_fit(mirrored(1), name)
+        for r in results:
+            assert_weights_close(r.result[name], single, 1e-5)
+
+
 def test_stock_keras_multi_worker_fit_still_needs_the_workaround(run_workers):
     """keras-team/keras#20585 is still in the installed Keras.
 

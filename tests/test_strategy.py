@@ -136,6 +136,23 @@ def test_bad_devices_and_startup_timeout_name_the_value(monkeypatch):
         assert repr(timeout) in str(e.value)
 
 
+def test_devices_this_machine_lacks_are_refused(monkeypatch):
+    # TensorFlow would run a OneDeviceStrategy on a missing GPU on the CPU.
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    for devices, missing in ((["/gpu:7"], "'/gpu:7'"),
+                             (["/cpu:0", "/cpu:9"], "'/cpu:9'")):
+        with pytest.raises(ValueError, match=f"no device {missing};") as e:
+            keras_mgpu.auto_strategy(devices=devices)
+        assert f"devices={devices!r}" in str(e.value)
+        assert "TensorFlow sees /device:CPU:0, /device:CPU:1" in str(e.value)
+    with pytest.raises(ValueError, match="'gpu7' is not a device name"):
+        keras_mgpu.auto_strategy(devices=["gpu7"])
+    # Other spellings of devices it has.
+    one = keras_mgpu.auto_strategy(
+        devices=["/job:localhost/replica:0/task:0/device:CPU:1"])
+    assert isinstance(one, tf.distribute.OneDeviceStrategy)
+
+
 def test_a_worker_that_never_starts_is_named_after_the_startup_timeout():
     import socket
 
