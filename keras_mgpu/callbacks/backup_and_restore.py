@@ -406,12 +406,14 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._finish_write()  # raises here if the write failed
         if not runtime.batch_trains:
             return  # a batch the interrupted run had already trained on
-        done = batch + 1
+        # What the call read, not Keras's `batch`: a last, partial call of
+        # steps_per_execution batches reports more than it held.
+        done = runtime.epoch_step
         if self._batch_freq is not None and (
             runtime.global_step // self._batch_freq
             > self._last_saved_step // self._batch_freq
         ):
-            if done == self.params.get("steps"):
+            if runtime.last_call_of_epoch:
                 # The epoch's last batch: save after its end-of-epoch work
                 # instead, so a resume starts a fresh epoch.
                 self._save_at_epoch_end = True
@@ -511,10 +513,6 @@ class BackupAndRestore(keras.callbacks.Callback):
         runtime_state = self._runtime.state()
         if not self._chief:
             return
-        if step_in_epoch == 0 and runtime_state["epoch_samples"] is not None:
-            # Saved at an epoch's end: the next epoch has trained nothing
-            # yet (what the runtime reports once it begins).
-            runtime_state["epoch_samples"] = 0.0
         state = {
             "format": FORMAT_VERSION,
             "keras_mgpu_version": _version(),
