@@ -1058,18 +1058,28 @@ def fit_epoch_iterator(model):
 
     frame = sys._getframe(1)
     while frame is not None:
-        if (frame.f_code.co_name == "fit"
-                and frame.f_locals.get("self") is model):
-            return frame.f_locals.get("epoch_iterator")
+        # Keras's own `fit`, not an override that calls it (which has no
+        # such local).
+        if frame.f_code.co_name == "fit":
+            local = frame.f_locals
+            if local.get("self") is model and "epoch_iterator" in local:
+                return local["epoch_iterator"]
         frame = frame.f_back
     return None
+
+
+def epoch_iterator_keeps_iterator(epoch_iterator) -> bool:
+    """Whether `epoch_iterator` reads one data iterator across epochs (it was
+    given `steps_per_epoch`) rather than a new one each epoch."""
+    if epoch_iterator is None:
+        return False
+    return bool(_require(epoch_iterator, "steps_per_epoch", _STREAM))
 
 
 def epoch_iterator_reads_on(epoch_iterator, iterator) -> bool:
     """Whether the next epoch of `epoch_iterator` reads on from `iterator`
     (call it after an epoch's last batch)."""
-    if epoch_iterator is None or not getattr(epoch_iterator,
-                                             "steps_per_epoch", None):
+    if not epoch_iterator_keeps_iterator(epoch_iterator):
         return False
     current = _require(epoch_iterator, "_current_iterator", _STREAM)
     return current is iterator

@@ -197,7 +197,7 @@ class TrainingRuntime:
         self._wrapper = None
         self._inner = None
         self._untimed = True
-        self._twins = {}
+        self._timed = {}
         self._step_scope = None
 
     @property
@@ -427,8 +427,6 @@ class TrainingRuntime:
             # What a resume mid-epoch skips; by samples, so that it stays
             # exact under another batch size.
             "epoch_samples": epoch_samples,
-            # Batches of the epoch read (trained, or skipped by a resume).
-            "epoch_step": self.epoch_step if self._epoch_open else 0,
             # Batches of the data iterator read before this epoch, when
             # Keras reads one iterator across epochs (`steps_per_epoch`),
             # and Keras's own count of them.
@@ -516,7 +514,7 @@ class TrainingRuntime:
         # Cached by the function it instruments: a function swapped out and
         # back gets the same twin, with no retrace.
         key = (id(inner), timed)
-        cached = self._twins.get(key)
+        cached = self._timed.get(key)
         if cached is None or cached[0] is not inner:
             if self._batches_read is None:
                 self._batches_read = strategy_lib.local_variable(0, tf.int64)
@@ -525,7 +523,7 @@ class TrainingRuntime:
                 inner, seconds_waited=(self.input_wait_variable if timed
                                        else None),
                 batches_read=self._batches_read))
-            self._twins[key] = cached
+            self._timed[key] = cached
         return cached[1]
 
     def _scoped(self, function, iterator):
@@ -615,6 +613,20 @@ class TrainingRuntime:
         skip = self._skip
         if skip.before_epoch:
             # The interrupted run's epoch began this far into its iterator.
+            epoch_iterator = compat.fit_epoch_iterator(self.model)
+            if (epoch_iterator is not None
+                    and not compat.epoch_iterator_keeps_iterator(
+                        epoch_iterator)):
+                self._skip = None
+                raise ValueError(
+                    f"{self._saved_where(skip)}, which began "
+                    f"{skip.before_epoch} batches into data that "
+                    "steps_per_epoch read on across epochs; this run reads "
+                    "its data afresh each epoch (no steps_per_epoch), so it "
+                    "cannot start where that epoch did. Nothing was trained. "
+                    "Resume with the steps_per_epoch the backup was made "
+                    "with, or start fresh with a new backup_dir."
+                )
             for read in range(skip.before_epoch):
                 try:
                     _next(iterator)
@@ -628,8 +640,7 @@ class TrainingRuntime:
             self._stream_read += skip.before_epoch
             self._stream_base = skip.before_epoch
             self._keras_base = skip.keras_count
-            compat.add_epoch_iterator_count(
-                compat.fit_epoch_iterator(self.model), skip.keras_count)
+            compat.add_epoch_iterator_count(epoch_iterator, skip.keras_count)
             skip.before_epoch = 0
         limit = self._steps_per_call
         read = 0
@@ -718,6 +729,9 @@ class TrainingRuntime:
     @staticmethod
     def _saved_where(skip) -> str:
         text = "The backup resumed here was saved after "
+        if not skip.saved_batches:
+            return ("The backup resumed here was saved at the start of epoch "
+                    f"{skip.epoch}")
         if skip.samples is None:
             return text + f"{skip.saved_batches} batches of epoch {skip.epoch}"
         size = skip.samples / skip.saved_batches
@@ -749,7 +763,7 @@ class TrainingRuntime:
         # Keep the twin of the function a next `fit` will call, not those of
         # functions Keras has dropped (a recompile makes a new one).
         current = getattr(model, "train_function", None)
-        self._twins = {key: entry for key, entry in self._twins.items()
+        self._timed = {key: entry for key, entry in self._timed.items()
                        if entry[0] is current}
 
     # --- helpers -------------------------------------------------------------

@@ -833,24 +833,32 @@ def test_a_resume_with_steps_per_execution_is_exact(tmp_path, first,
     assert max_diff(resumed.get_weights(), full.get_weights()) <= 1e-5
 
 
-@pytest.mark.parametrize("unknown_length, message", [
-    (False, "this run's epochs hold 4 batches of 16"),
-    (True, "this run's data ended after 4 of them"),
-], ids=["known_length", "unknown_length"])
-def test_a_resume_on_shorter_data_is_refused(tmp_path, unknown_length,
-                                             message):
+@pytest.mark.parametrize("first, crash_at, rerun, message", [
+    # Saved after 96 samples of epoch 1; the rerun's epochs hold 64.
+    ({}, 14, {"samples": 64}, "saved after 96 samples of epoch 1 (6 batches "
+     "of 16); this run's epochs hold 4 batches of 16: this run's data is "
+     "shorter than the saved run's"),
+    ({"unknown_length": True}, 14, {"samples": 64, "unknown_length": True},
+     "saved after 96 samples of epoch 1 (6 batches of 16); this run's data "
+     "ended after 4 of them: this run's data is shorter than the saved "
+     "run's"),
+    # Epoch 1 began 10 batches into the repeated data; the rerun reads the
+    # data afresh each epoch.
+    ({"spe": 5, "infinite": True}, 15, {"spe": 5},
+     "saved after 80 samples of epoch 1 (5 batches of 16), which began 10 "
+     "batches into data that steps_per_epoch read on across epochs; this "
+     "run reads its data afresh each epoch"),
+], ids=["known_length", "unknown_length", "without_steps_per_epoch"])
+def test_a_resume_on_data_it_cannot_continue_is_refused(
+        tmp_path, first, crash_at, rerun, message):
     backup_dir = tmp_path / "b"
-    crashed = _fit_reshaped(backup_dir, crash_at=14,
-                            unknown_length=unknown_length)
+    crashed = _fit_reshaped(backup_dir, crash_at=crash_at, **first)
     files = backup_files(backup_dir)
     built = []
     with pytest.raises(ValueError) as error:
-        _fit_reshaped(backup_dir, samples=64, unknown_length=unknown_length,
-                      built=built)
+        _fit_reshaped(backup_dir, built=built, **rerun)
     text = str(error.value)
-    assert ("saved after 96 samples of epoch 1 (6 batches of 16); "
-            + message) in text
-    assert "data is shorter than the saved run's" in text
+    assert message in text
     assert "Nothing was trained" in text and "new backup_dir" in text
     assert backup_files(backup_dir) == files
     # Refused before training: the model as restored, as the crash left it.

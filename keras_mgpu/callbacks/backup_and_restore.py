@@ -143,7 +143,9 @@ class BackupAndRestore(keras.callbacks.Callback):
     them is refused with the old and new values. A resume mid-epoch skips
     the samples the interrupted epoch trained on: under another global
     batch size that divides them it is exact (with a warning), otherwise
-    refused. The replica count may change.
+    refused; another `steps_per_execution` is exact; data shorter than the
+    saved position is refused before training. The replica count may
+    change.
 
     The run's counters (`keras_mgpu.runtime`: global step, samples seen,
     resume history) are saved with each generation and continue after a
