@@ -197,6 +197,8 @@ class TrainingRuntime:
         self._wrapper = None
         self._inner = None
         self._untimed = True
+        # Instrumented twins (timed, or counting only) by (id(function),
+        # timed): (function, twin).
         self._timed = {}
         self._step_scope = None
 
