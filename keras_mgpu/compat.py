@@ -1147,15 +1147,17 @@ def enable_tuner_state_fix() -> bool:
         return True
 
 
-# --- Input wait (keras_mgpu.runtime, for DistributedLogger) ------------------
+# --- Input wait and batch count (keras_mgpu.runtime) -------------------------
 # Keras's TensorFlow trainer (3.10 to 3.15 at least) makes
 # `model.train_function` a plain closure `function(iterator)` over
 # `multi_step_on_iterator`, a `tf.function` that fetches each batch inside
 # the graph, with `iterator.get_next()` (or `get_next_as_optional()` when
 # `steps_per_execution > 1`), and returns an `Optional` that `function`
-# unwraps (raising StopIteration when empty). A callback cannot time that
-# fetch from the host, so the same Python step is retraced with an iterator
-# whose fetches are timed in the graph.
+# unwraps (raising StopIteration when empty). A callback can neither time
+# that fetch from the host nor see how many batches a call fetched (fewer
+# than `steps_per_execution` where the data ends), so the same Python step
+# is retraced with an iterator whose fetches are timed and counted in the
+# graph.
 _KERAS_TRAIN_FUNCTION = "TensorFlowTrainer.make_train_function.<locals>.function"
 _warned_train_function = set()
 
@@ -1163,12 +1165,24 @@ _warned_train_function = set()
 def timed_train_function(train_function, seconds_waited):
     """Keras's `model.train_function`, also timing its input fetches.
 
+    `instrumented_train_function` with only `seconds_waited`.
+    """
+    return instrumented_train_function(train_function,
+                                       seconds_waited=seconds_waited)
+
+
+def instrumented_train_function(train_function, seconds_waited=None,
+                                batches_read=None):
+    """Keras's `model.train_function`, also timing or counting its fetches.
+
     The returned function trains exactly as `train_function` does (the same
-    Python step, traced once more) and adds to the float64 variable
-    `seconds_waited` the time each step was blocked fetching its batch:
+    Python step, traced once more). With `seconds_waited` (a float64
+    variable) it adds the time each step was blocked fetching its batch:
     from just before the iterator's get-next op starts until its outputs
-    exist, as `tf.timestamp` sees it inside the graph. No value leaves the
-    device per step.
+    exist, as `tf.timestamp` sees it inside the graph. With `batches_read`
+    (an int64 variable) it adds 1 for each batch fetched, so the caller
+    knows how many a call trained where the data ended inside it. No value
+    leaves the device per step.
 
     Returns None when `train_function` is not Keras's compiled train function
     (e.g. `run_eagerly=True`, another callback's stand-in): then nothing can
@@ -1189,7 +1203,7 @@ def timed_train_function(train_function, seconds_waited):
                 and keras.__version__ not in _warned_train_function):
             _warned_train_function.add(keras.__version__)
             warnings.warn(
-                f"DistributedLogger cannot time input on Keras "
+                f"keras-mgpu cannot time or count input fetches on Keras "
                 f"{keras.__version__}: its train function no longer has "
                 "the structure keras-mgpu knows (a closure over "
                 "multi_step_on_iterator). input_wait is logged as null.",
@@ -1198,21 +1212,82 @@ def timed_train_function(train_function, seconds_waited):
     warn_if_untested()
 
     @tf.function(reduce_retracing=True)
-    def timed_multi_step(iterator):
-        return python_function(_TimedIterator(iterator, seconds_waited))
+    def instrumented_multi_step(iterator):
+        return python_function(
+            _InstrumentedIterator(iterator, seconds_waited, batches_read))
 
     iterator_types = (tf.data.Iterator, tf.distribute.DistributedIterator)
 
     def function(iterator):
         if not isinstance(iterator, iterator_types):
             return train_function(iterator)
-        optional_outputs = timed_multi_step(iterator)
+        optional_outputs = instrumented_multi_step(iterator)
         if not optional_outputs.has_value():
             raise StopIteration
         return optional_outputs.get_value()
 
     function.keras_train_function = train_function
     return function
+
+
+# --- The data stream of a running `fit` (keras_mgpu.runtime) -----------------
+# Keras 3.10 to 3.15 `TensorFlowTrainer.fit` holds its `TFEpochIterator` in
+# the local `epoch_iterator`. With `steps_per_epoch` it hands the next epoch
+# the same data iterator (`_current_iterator`) unless the data ran out, and
+# counts the batches it handed out (`_steps_seen`, `steps_per_execution` per
+# call) to know when a dataset of known length is used up. A resume that
+# continues such a stream mid-way must start that count where the
+# interrupted run had it. Remove when Keras exposes the epoch iterator's
+# position (no upstream issue yet).
+_STREAM = "BackupAndRestore's resume of a data stream kept across epochs"
+
+
+def fit_epoch_iterator(model):
+    """The epoch iterator of the `fit` now running on `model`, or None (not
+    called from inside Keras's `fit`, e.g. a hand-written loop)."""
+    import sys
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        # Keras's own `fit`, not an override that calls it (which has no
+        # such local).
+        if frame.f_code.co_name == "fit":
+            local = frame.f_locals
+            if local.get("self") is model and "epoch_iterator" in local:
+                return local["epoch_iterator"]
+        frame = frame.f_back
+    return None
+
+
+def epoch_iterator_keeps_iterator(epoch_iterator) -> bool:
+    """Whether `epoch_iterator` reads one data iterator across epochs (it was
+    given `steps_per_epoch`) rather than a new one each epoch."""
+    if epoch_iterator is None:
+        return False
+    return bool(_require(epoch_iterator, "steps_per_epoch", _STREAM))
+
+
+def epoch_iterator_reads_on(epoch_iterator, iterator) -> bool:
+    """Whether the next epoch of `epoch_iterator` reads on from `iterator`
+    (call it after an epoch's last batch)."""
+    if not epoch_iterator_keeps_iterator(epoch_iterator):
+        return False
+    current = _require(epoch_iterator, "_current_iterator", _STREAM)
+    return current is iterator
+
+
+def epoch_iterator_count(epoch_iterator) -> int:
+    """The batches `epoch_iterator` has counted out of its current stream."""
+    if epoch_iterator is None:
+        return 0
+    return int(_require(epoch_iterator, "_steps_seen", _STREAM))
+
+
+def add_epoch_iterator_count(epoch_iterator, count: int) -> None:
+    """Adds `count` (read by an earlier run) to that count."""
+    if epoch_iterator is not None and count:
+        _require(epoch_iterator, "_steps_seen", _STREAM)
+        epoch_iterator._steps_seen += count
 
 
 def _closure_value(function, name):
@@ -1222,36 +1297,47 @@ def _closure_value(function, name):
     return function.__closure__[code.co_freevars.index(name)].cell_contents
 
 
-class _TimedIterator:
+class _InstrumentedIterator:
     """Wraps a dataset iterator while a train step is traced: each fetch is
-    bracketed by timestamps and its duration added to a variable."""
+    bracketed by timestamps and its duration added to a variable, and/or
+    counted in another."""
 
-    def __init__(self, iterator, seconds_waited):
+    def __init__(self, iterator, seconds_waited, batches_read):
         self._iterator = iterator
         self._seconds_waited = seconds_waited
+        self._batches_read = batches_read
 
     def get_next(self):
-        return self._timed(self._iterator.get_next)
+        return self._fetch(self._iterator.get_next, optional=False)
 
     def get_next_as_optional(self):
-        return self._timed(self._iterator.get_next_as_optional)
+        return self._fetch(self._iterator.get_next_as_optional, optional=True)
 
     def __next__(self):
-        return self._timed(self._iterator.__next__)
+        return self._fetch(self._iterator.__next__, optional=False)
 
     def __getattr__(self, name):
         return getattr(self._iterator, name)
 
-    def _timed(self, fetch):
+    def _fetch(self, fetch, optional):
         import tensorflow as tf
 
-        start = tf.timestamp()
-        with tf.control_dependencies([start]):
+        if self._seconds_waited is None:
             element = fetch()
+        else:
+            start = tf.timestamp()
+            with tf.control_dependencies([start]):
+                element = fetch()
         outputs = [
             t for t in tf.nest.flatten(element, expand_composites=True)
             if isinstance(t, tf.Tensor)
         ]
         with tf.control_dependencies(outputs):
-            self._seconds_waited.assign_add(tf.timestamp() - start)
+            if self._seconds_waited is not None:
+                self._seconds_waited.assign_add(tf.timestamp() - start)
+            if self._batches_read is not None:
+                # An empty Optional is the end of the data, not a batch.
+                read = (tf.cast(element.has_value(), tf.int64) if optional
+                        else tf.constant(1, tf.int64))
+                self._batches_read.assign_add(read)
         return element

@@ -91,3 +91,53 @@ def train(backup_dir, preset="preemptible", save_freq=4, accum_steps=None,
         "weights": [np.asarray(w).tolist() for w in model.get_weights()],
         "iterations": int(model.optimizer.iterations.numpy()),
     }
+
+
+# steps_per_execution=3 over 13 batches per epoch (the last one partial:
+# 205 samples in batches of 16): the epoch's last call holds one batch.
+PARTIAL_SAMPLES = 13 * 16 - 3
+PARTIAL_SPE = 3
+
+
+def train_partial_executions(backup_dir, data="numpy", kill_at=None,
+                             epochs=3):
+    """Trains on `PARTIAL_SAMPLES` with `steps_per_execution=PARTIAL_SPE`,
+    saving after every call, from numpy arrays or from a `tf.data` dataset
+    of unknown length (`data="unknown_length"`). Prints `STEP <n>;` with the
+    runtime's global step after each call and, at `kill_at`, holds (its save
+    committed) until killed. Runs in a worker process or in the test's."""
+    import keras
+    import tensorflow as tf
+
+    from keras_mgpu.callbacks import BackupAndRestore
+    from keras_mgpu.runtime import training_runtime
+    from tests import workers
+
+    x, y = workers.regression_data(PARTIAL_SAMPLES)
+    if data == "numpy":
+        inputs = {"x": x, "y": y, "batch_size": 16}
+    else:
+        dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+        # A filter hides the length: Keras learns it at the data's end.
+        inputs = {"x": dataset.filter(lambda *_: True)}
+    model = workers.build_mlp()
+    model.compile(keras.optimizers.SGD(0.05, momentum=0.9), "mse",
+                  steps_per_execution=PARTIAL_SPE)
+    runtime = training_runtime(model)
+
+    def on_batch_end(batch, logs):
+        if runtime.global_step == kill_at:
+            workers.finish_backup_writes()
+        print(f"STEP {runtime.global_step};", flush=True)
+        if runtime.global_step == kill_at:
+            workers.hold_until_killed()
+
+    model.fit(**inputs, epochs=epochs, verbose=0, shuffle=False, callbacks=[
+        BackupAndRestore(backup_dir, save_freq=1),
+        keras.callbacks.LambdaCallback(on_batch_end=on_batch_end),
+    ])
+    return {
+        "weights": [np.asarray(w).tolist() for w in model.get_weights()],
+        "iterations": int(model.optimizer.iterations.numpy()),
+        "global_step": runtime.counters().global_step,
+    }

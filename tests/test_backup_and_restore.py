@@ -772,6 +772,135 @@ def test_a_learning_rate_changed_by_a_callback_still_resumes(tmp_path):
     assert int(resumed.optimizer.iterations.numpy()) == 16
 
 
+# --- steps_per_execution and the shape of the data ----------------------------
+
+_PARTIAL_FULL = {}
+
+
+@pytest.mark.parametrize("data", ["numpy", "unknown_length"])
+def test_a_save_at_a_partial_execution_resumes_exactly(run_workers, tmp_path,
+                                                       data):
+    """13 batches per epoch in calls of 3: each epoch's last call holds one
+    batch (Keras reports it as batch 14). Killed right after that call's
+    save in epoch 0 and again in epoch 1, then resumed: numpy arrays, and a
+    dataset of unknown length (saved mid-epoch there: its end is not known
+    until the data runs out)."""
+    if not _PARTIAL_FULL:
+        _PARTIAL_FULL.update(backup_workers.train_partial_executions(
+            str(tmp_path / "full")))
+    full = _PARTIAL_FULL
+    # The runtime counts what trained: 13 steps per epoch, not 15 or 18.
+    assert full["iterations"] == full["global_step"] == 39
+    backup_dir = str(tmp_path / "backup")
+    for kill_at in (13, 26):
+        killed, = run_workers(
+            backup_workers.train_partial_executions, 1,
+            kwargs={"backup_dir": backup_dir, "data": data,
+                    "kill_at": kill_at},
+            kill_when_printed=f"STEP {kill_at};")
+        assert killed.killed and killed.returncode == -signal.SIGKILL
+    resumed = backup_workers.train_partial_executions(backup_dir, data)
+    assert resumed["iterations"] == resumed["global_step"] == 39
+    assert max_diff(resumed["weights"], full["weights"]) <= 1e-5
+
+
+class _CrashAtStep(keras.callbacks.Callback):
+    def __init__(self, step):
+        super().__init__()
+        self.step = step
+
+    def on_train_batch_end(self, batch, logs=None):
+        from keras_mgpu.runtime import training_runtime
+
+        if training_runtime(self.model).global_step >= self.step:
+            raise RuntimeError("crash")
+
+
+def _fit_reshaped(backup_dir=None, crash_at=None, spe=1, samples=128,
+                  infinite=False, unknown_length=False, built=None):
+    """3 epochs of 8 batches of 16 (of `samples`); `infinite`: the data
+    repeated, with steps_per_epoch=8. The model goes into `built` too."""
+    x, y = workers.regression_data(samples)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    steps = {}
+    if infinite:
+        dataset, steps = dataset.repeat(), {"steps_per_epoch": 8}
+    if unknown_length:
+        dataset = dataset.filter(lambda *_: True)
+    model = workers.build_mlp()
+    model.compile(keras.optimizers.SGD(0.05, momentum=0.9), "mse",
+                  steps_per_execution=spe)
+    if built is not None:
+        built.append(model)
+    callbacks = []
+    if backup_dir is not None:
+        callbacks.append(BackupAndRestore(str(backup_dir), save_freq=1))
+    if crash_at is None:
+        model.fit(dataset, epochs=3, verbose=0, callbacks=callbacks, **steps)
+        return model
+    with pytest.raises(RuntimeError, match="crash"):
+        model.fit(dataset, epochs=3, verbose=0,
+                  callbacks=callbacks + [_CrashAtStep(crash_at)], **steps)
+    workers.finish_backup_writes()
+    return model
+
+
+@pytest.mark.parametrize("first, crash_at, rerun", [
+    # Calls of 5 over 8 batches: the epoch's second call holds 3.
+    ({"spe": 5}, 8, {"spe": 5}),
+    # Calls of 5 with steps_per_epoch=8 over repeated data: each epoch reads
+    # 10 batches, and the next one reads on from the same iterator.
+    ({"spe": 5, "infinite": True}, 15, {"spe": 5, "infinite": True}),
+    # Saved at batch 3 of epoch 1, resumed in calls of 2.
+    ({"spe": 1}, 11, {"spe": 2}),
+], ids=["spe5_finite", "spe5_steps_per_epoch", "spe_1_to_2"])
+def test_a_resume_with_steps_per_execution_is_exact(tmp_path, first,
+                                                    crash_at, rerun):
+    full = _fit_reshaped(**first)
+    _fit_reshaped(tmp_path / "b", crash_at=crash_at, **first)
+    resumed = _fit_reshaped(tmp_path / "b", **rerun)
+    assert (int(resumed.optimizer.iterations.numpy())
+            == int(full.optimizer.iterations.numpy()))
+    assert max_diff(resumed.get_weights(), full.get_weights()) <= 1e-5
+
+
+@pytest.mark.parametrize("first, crash_at, rerun, message", [
+    # Saved after 96 samples of epoch 1; the rerun's epochs hold 64.
+    ({}, 14, {"samples": 64}, "saved after 96 samples of epoch 1 (6 batches "
+     "of 16); this run's epochs hold 4 batches of 16: this run's data is "
+     "shorter than the saved run's"),
+    ({"unknown_length": True}, 14, {"samples": 64, "unknown_length": True},
+     "saved after 96 samples of epoch 1 (6 batches of 16); this run's data "
+     "ended after 4 of them: this run's data is shorter than the saved "
+     "run's"),
+    # Epoch 1 began 10 batches into the repeated data; the rerun reads the
+    # data afresh each epoch.
+    ({"spe": 5, "infinite": True}, 15, {"spe": 5},
+     "saved after 80 samples of epoch 1 (5 batches of 16), which began 10 "
+     "batches into data that steps_per_epoch read on across epochs; this "
+     "run reads its data afresh each epoch"),
+], ids=["known_length", "unknown_length", "without_steps_per_epoch"])
+def test_a_resume_on_data_it_cannot_continue_is_refused(
+        tmp_path, first, crash_at, rerun, message):
+    backup_dir = tmp_path / "b"
+    crashed = _fit_reshaped(backup_dir, crash_at=crash_at, **first)
+    files = backup_files(backup_dir)
+    built = []
+    with pytest.raises(ValueError) as error:
+        _fit_reshaped(backup_dir, built=built, **rerun)
+    text = str(error.value)
+    assert message in text
+    assert "Nothing was trained" in text and "new backup_dir" in text
+    assert backup_files(backup_dir) == files
+    # Refused before training: the model as restored, as the crash left it.
+    # (Keras's own iterations count one more step per epoch of unknown
+    # length than it trained, where the data's end fails a step.)
+    refused = built[0]
+    assert (int(refused.optimizer.iterations.numpy())
+            == int(crashed.optimizer.iterations.numpy()))
+    assert max_diff(refused.get_weights(), crashed.get_weights()) == 0
+
+
 _HOLD_BACKUP_DIR = r"""
 import sys
 import time

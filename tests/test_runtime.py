@@ -274,3 +274,12 @@ def test_compiled_metrics_resume_on_the_default_strategy(tmp_path, run_eagerly):
     assert int(resumed.optimizer.iterations.numpy()) == 16
     assert max_diff(resumed.get_weights(), full.get_weights()) <= 1e-6
     assert 0.0 <= history.history["accuracy"][-1] <= 1.0
+
+
+@pytest.mark.parametrize("value", [None, "model", keras.layers.Dense(1)],
+                         ids=["None", "str", "layer"])
+def test_training_runtime_of_a_non_model_is_refused(value):
+    with pytest.raises(TypeError) as error:
+        training_runtime(value)
+    assert f"got {value!r}" in str(error.value)
+    assert "keras.Model" in str(error.value)

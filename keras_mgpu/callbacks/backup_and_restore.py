@@ -145,7 +145,9 @@ class BackupAndRestore(keras.callbacks.Callback):
     them is refused with the old and new values. A resume mid-epoch skips
     the samples the interrupted epoch trained on: under another global
     batch size that divides them it is exact (with a warning), otherwise
-    refused. The replica count may change.
+    refused; another `steps_per_execution` is exact; data shorter than the
+    saved position is refused before training. The replica count may
+    change.
 
     The run's counters (`keras_mgpu.runtime`: global step, samples seen,
     resume history) are saved with each generation and continue after a
@@ -415,12 +417,14 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._finish_write()  # raises here if the write failed
         if not runtime.batch_trains:
             return  # a batch the interrupted run had already trained on
-        done = batch + 1
+        # What the call read, not Keras's `batch`: a last, partial call of
+        # steps_per_execution batches reports more than it held.
+        done = runtime.epoch_step
         if self._batch_freq is not None and (
             runtime.global_step // self._batch_freq
             > self._last_saved_step // self._batch_freq
         ):
-            if done == self.params.get("steps"):
+            if runtime.last_call_of_epoch:
                 # The epoch's last batch: save after its end-of-epoch work
                 # instead, so a resume starts a fresh epoch.
                 self._save_at_epoch_end = True
@@ -521,10 +525,6 @@ class BackupAndRestore(keras.callbacks.Callback):
         if not self._chief:
             return
         callbacks, callback_arrays = callback_state.snapshot(self._siblings)
-        if step_in_epoch == 0 and runtime_state["epoch_samples"] is not None:
-            # Saved at an epoch's end: the next epoch has trained nothing
-            # yet (what the runtime reports once it begins).
-            runtime_state["epoch_samples"] = 0.0
         state = {
             "format": FORMAT_VERSION,
             "keras_mgpu_version": _version(),
