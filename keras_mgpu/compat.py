@@ -74,9 +74,10 @@ _TUNER_STATE = "the tuner's oracle-state fix (KerasTuner's ongoing trials)"
 _TUNER_BEST = "the resumed trial's best checkpoint (KerasTuner's SaveBestEpoch)"
 _EXACT_CLIPPING = ("exact gradient clipping under a strategy (clipping the "
                    "all-reduced gradient)")
+_STREAM = "BackupAndRestore's resume of a data stream kept across epochs"
 _WORKAROUNDS = (_MULTI_WORKER_FIX, _MULTI_STEP_FIX, _EXACT_CLIPPING,
-                _ACCUMULATION, _MIXED, _BACKUP, _TELEMETRY, _INPUT_WAIT,
-                _TUNER, _TUNER_STATE, _TUNER_BEST)
+                _ACCUMULATION, _MIXED, _BACKUP, _STREAM, _TELEMETRY,
+                _INPUT_WAIT, _TUNER, _TUNER_STATE, _TUNER_BEST)
 
 
 class KerasInternalsError(RuntimeError):
@@ -1239,7 +1240,6 @@ def instrumented_train_function(train_function, seconds_waited=None,
 # continues such a stream mid-way must start that count where the
 # interrupted run had it. Remove when Keras exposes the epoch iterator's
 # position (no upstream issue yet).
-_STREAM = "BackupAndRestore's resume of a data stream kept across epochs"
 
 
 def fit_epoch_iterator(model):
@@ -1247,6 +1247,15 @@ def fit_epoch_iterator(model):
     called from inside Keras's `fit`, e.g. a hand-written loop)."""
     import sys
 
+    # Checked on the installed trainer, so a renamed local raises here
+    # rather than reading as "not inside fit".
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    fit = inspect.unwrap(_require(TensorFlowTrainer, "fit", _STREAM))
+    code = getattr(fit, "__code__", None)
+    if code is None or "epoch_iterator" not in code.co_varnames:
+        raise _internals_error("`TensorFlowTrainer.fit`'s local "
+                               "`epoch_iterator`", _STREAM)
     frame = sys._getframe(1)
     while frame is not None:
         # Keras's own `fit`, not an override that calls it (which has no

@@ -117,6 +117,20 @@ def test_renamed_all_reduce_is_refused_rather_than_reduced_twice(monkeypatch):
             pass
 
 
+def test_a_fit_without_its_epoch_iterator_local_is_refused(monkeypatch):
+    # A resume that continues a steps_per_epoch stream finds fit's epoch
+    # iterator among its locals; a renamed local must not read as "not
+    # inside fit" (which would silently restart the stream).
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    assert compat.fit_epoch_iterator(workers.build_mlp()) is None
+    monkeypatch.setattr(TensorFlowTrainer, "fit",
+                        lambda self, x=None, **kwargs: None)
+    with pytest.raises(compat.KerasInternalsError,
+                       match=r"local `epoch_iterator`"):
+        compat.fit_epoch_iterator(workers.build_mlp())
+
+
 def test_changed_signature_is_refused(monkeypatch):
     from keras.src.backend.tensorflow.optimizer import TFOptimizer
 
