@@ -21,10 +21,10 @@ def train(backup_dir, preset="preemptible", save_freq=4, accum_steps=None,
     import keras
     import tensorflow as tf
 
-    from keras_mgpu.callbacks import BackupAndRestore, backup_and_restore
+    from keras_mgpu.callbacks import BackupAndRestore, _backup_store
     from tests import workers
 
-    write = backup_and_restore._write_file
+    write = _backup_store._write_file
     held = threading.Event()
 
     def holding_write(path, data):
@@ -40,7 +40,7 @@ def train(backup_dir, preset="preemptible", save_freq=4, accum_steps=None,
             workers.hold_until_killed()
 
     if hold_write_of is not None:
-        backup_and_restore._write_file = holding_write
+        _backup_store._write_file = holding_write
 
     keras.utils.set_random_seed(0)
     global_batch = 16
