@@ -369,6 +369,21 @@ def test_every_kind_of_damage_is_detected(two_generations, tmp_path, capsys,
     assert max_diff(model.get_weights(), full) <= 1e-6
 
 
+def test_a_kill_before_the_first_commit_leaves_no_backup_yet(tmp_path,
+                                                             recwarn):
+    """What a kill before the first manifest leaves (the files moved in, no
+    manifest) is no backup: the rerun trains from the start, and the
+    leftover goes. tests/test_backup_kills.py kills real commits."""
+    backup_dir = tmp_path / "b"
+    (backup_dir / "gen-00000001").mkdir(parents=True)
+    (backup_dir / "gen-00000001" / "state.json").write_text("{}")
+    model, history = fit_in_process(BackupAndRestore(
+        str(backup_dir), save_freq=4, delete_checkpoint=False), epochs=1)
+    assert int(model.optimizer.iterations.numpy()) == 8
+    assert not [w for w in recwarn if "unusable" in str(w.message)]
+    assert backup_and_restore._generations(str(backup_dir)) == [2]
+
+
 def test_a_generation_without_its_manifest_is_a_leftover_not_damage(
         two_generations, tmp_path, capsys, recwarn):
     """The manifest is the commit marker: without it the generation was
@@ -531,6 +546,23 @@ def test_presets():
 def test_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         BackupAndRestore("/tmp/x", **kwargs)
+
+
+@pytest.mark.parametrize("backup_dir, message", [
+    ("gs://", "backup_dir='gs://' names a filesystem but no bucket or "
+     "directory in it (the path would be a local folder named 'gs:'). Give "
+     "the directory for this run's backups, e.g. 'gs://bucket/run1/backup'"),
+    ("ram:///", "backup_dir='ram:///' names a filesystem but no bucket"),
+    ("/", "backup_dir='/' is the filesystem root: BackupAndRestore creates "
+     "and deletes its generations in backup_dir, and the directory itself "
+     "after a finished run. Give a directory of its own, e.g. "
+     "'/tmp/run1/backup'"),
+    ("//", "backup_dir='//' is the filesystem root"),
+])
+def test_a_backup_dir_that_names_no_directory_is_refused(backup_dir, message):
+    with pytest.raises(ValueError) as error:
+        BackupAndRestore(backup_dir)
+    assert message in str(error.value)
 
 
 def test_pruning_and_cleanup_never_follow_links(tmp_path):

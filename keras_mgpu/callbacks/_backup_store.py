@@ -179,6 +179,7 @@ class GenerationStore:
             for name, data in files.items()
         }}
         try:
+            tf.io.gfile.makedirs(self.directory)
             if not is_url(self.directory):
                 # A clear error before anything is written, rather than a
                 # half-written file.
