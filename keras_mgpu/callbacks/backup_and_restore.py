@@ -100,7 +100,10 @@ class BackupAndRestore(keras.callbacks.Callback):
     complete generation: into a `.tmp-*` directory inside `backup_dir` (no
     TMPDIR, no local staging for a URL), each file once, from memory, then
     moves the files into place and writes the manifest (sizes and SHA-256
-    checksums of the same bytes) last. At most one save is in flight: the
+    checksums of the same bytes) last, atomically (a temporary name, then a
+    rename; local files are fsynced first): the manifest commits the
+    generation, and a generation directory without one is a leftover of a
+    killed save, skipped and removed. At most one save is in flight: the
     next one waits for it, so no save is skipped. The SIGTERM save and the
     end of `fit` wait for the write. If `fit` raises, the write finishes on
     its thread: the process waits for it before exiting, and the next `fit`
@@ -111,8 +114,10 @@ class BackupAndRestore(keras.callbacks.Callback):
     `keep` generations are kept (1 by default, 2 with
     `double_checkpoint=True`); pruning deletes links, never what they point
     to. A restore verifies the newest
-    generation and falls back to the previous one, with a warning, if it is
-    truncated, corrupt or incomplete; if every one is, it raises (see
+    generation (the manifest and state against their schema, every file it
+    needs listed and matching its checksum; what is loaded is the bytes
+    verified) and falls back to the previous one, with a warning naming it,
+    if it is truncated, corrupt or incomplete; if every one is, it raises (see
     `restart_if_unusable`). Paths go through `tf.io.gfile`,
     so `gs://` and other TensorFlow filesystems work.
 
