@@ -866,6 +866,37 @@ def weights_file(snapshot: list) -> memoryview:
     return buffer.getbuffer()
 
 
+def load_weights_file(model, data: bytes) -> None:
+    """`model.load_weights` of a `.weights.h5` file given as its bytes (read
+    and verified by the caller), so that exactly those bytes are loaded,
+    not whatever the file on disk holds by the time it is opened again.
+
+    What `keras.saving.saving_lib.load_weights_only` does with a path, from
+    an in-memory file (upstream: keras/src/saving/saving_lib.py; remove when
+    `Model.load_weights` accepts a file object).
+    """
+    import io
+
+    from keras.src.saving import saving_lib
+
+    load_state = _require(
+        saving_lib, "_load_state", _BACKUP,
+        params=("saveable", "weights_store", "assets_store", "inner_path"))
+    store = _require(saving_lib, "H5IOStore", _BACKUP)(io.BytesIO(data),
+                                                       mode="r")
+    failed, errors = set(), {}
+    try:
+        load_state(model, store, None, "", visited_saveables=set(),
+                   failed_saveables=failed, error_msgs=errors)
+    finally:
+        store.close()
+    if failed:
+        saveable, error = next(iter(errors.values()))
+        raise ValueError(
+            f"{len(errors)} objects could not be loaded from the backup's "
+            f"weights, e.g. {saveable}: {error}")
+
+
 @functools.lru_cache(maxsize=4)
 def _recording_store_class(h5_store):
     # A subclass: Keras's walk accepts only its own store types.

@@ -21,10 +21,10 @@ def train(backup_dir, preset="preemptible", save_freq=4, accum_steps=None,
     import keras
     import tensorflow as tf
 
-    from keras_mgpu.callbacks import BackupAndRestore, backup_and_restore
+    from keras_mgpu.callbacks import BackupAndRestore, _backup_store
     from tests import workers
 
-    write = backup_and_restore._write_file
+    write = _backup_store._write_file
     held = threading.Event()
 
     def holding_write(path, data):
@@ -40,7 +40,7 @@ def train(backup_dir, preset="preemptible", save_freq=4, accum_steps=None,
             workers.hold_until_killed()
 
     if hold_write_of is not None:
-        backup_and_restore._write_file = holding_write
+        _backup_store._write_file = holding_write
 
     keras.utils.set_random_seed(0)
     global_batch = 16
@@ -141,3 +141,147 @@ def train_partial_executions(backup_dir, data="numpy", kill_at=None,
         "iterations": int(model.optimizer.iterations.numpy()),
         "global_step": runtime.counters().global_step,
     }
+
+
+def serve_forks():
+    """Runs each JSON line of stdin as `train_steps(**line)` in a process
+    forked from this one, one at a time, and prints `START <pid>;` (from
+    the child), what the child prints, then `EXIT <pid> <code>;` (a
+    negative code: the signal that ended it).
+
+    TensorFlow is imported here once, but not started (no op has run, so
+    no runtime thread exists to be lost by a fork): a run starts in
+    milliseconds instead of the seconds of a fresh interpreter, so a test
+    can afford twenty kills.
+    """
+    import json
+    import os
+    import sys
+    import traceback
+
+    import keras  # noqa: F401
+    import tensorflow  # noqa: F401
+
+    from keras_mgpu.callbacks import BackupAndRestore  # noqa: F401
+
+    for line in sys.stdin:
+        kwargs = json.loads(line)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                print(f"START {os.getpid()};", flush=True)
+                train_steps(**kwargs)
+                code = 0
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        print(f"EXIT {pid} {os.waitstatus_to_exitcode(status)};", flush=True)
+
+
+def train_steps(backup_dir, result, save_freq=1, keep=1, epochs=2, steps=8,
+                width=16, hold=None):
+    """Trains a small MLP (`width` units in two hidden layers) on `steps`
+    batches of 8 per epoch, printing `STEP <optimizer step>;` after each
+    batch; saves its final weights and step count to `result` (.npz).
+
+    `hold=(stage, generation)` holds the background write at that stage of
+    the store's commit of `generation` ("moved": its files are in place,
+    no manifest yet; "marker": half its manifest is written under the
+    temporary name; "committed": before older generations are pruned) or of
+    the pruning of `generation` ("pruning": its manifest is gone, its files
+    not yet), printing `HELD <stage> <generation>;`, until the test kills
+    the process.
+    """
+    import keras
+    import tensorflow as tf
+
+    from keras_mgpu.callbacks import BackupAndRestore
+    from tests import workers
+
+    if hold is not None:
+        _hold_the_store_at(*hold)
+    keras.utils.set_random_seed(0)
+    x, y = workers.regression_data(8 * steps)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+    model = keras.Sequential([
+        keras.Input((workers.FEATURES,)),
+        keras.layers.Dense(width, activation="tanh"),
+        keras.layers.Dense(width, activation="tanh"),
+        keras.layers.Dense(1),
+    ])
+    model.set_weights(workers.initial_weights(model))
+    model.compile(keras.optimizers.Adam(0.01), "mse")
+
+    class PrintSteps(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            step = int(self.model.optimizer.iterations.numpy())
+            print(f"STEP {step};", flush=True)
+
+    model.fit(dataset, epochs=epochs, verbose=0, shuffle=False, callbacks=[
+        BackupAndRestore(backup_dir, save_freq=save_freq, keep=keep),
+        PrintSteps()])
+    np.savez(result, *model.get_weights(),
+             iterations=int(model.optimizer.iterations.numpy()))
+
+
+def _hold_the_store_at(stage, generation):
+    """Wraps the store's stage functions (see `train_steps`)."""
+    import threading
+
+    from keras_mgpu.callbacks import _backup_store as store
+    from tests import workers
+
+    def hold():
+        # Only the background write: a rerun's restore also removes
+        # leftovers, on the training thread.
+        if threading.current_thread().name == "keras-mgpu-backup-write":
+            print(f"HELD {stage} {generation};", flush=True)
+            workers.hold_until_killed()
+
+    name = f"gen-{generation:08d}"
+    if stage == "moved":
+        mark = store.GenerationStore._mark
+
+        def held_mark(self, final, manifest):
+            if final.endswith(name):
+                hold()
+            mark(self, final, manifest)
+
+        store.GenerationStore._mark = held_mark
+    elif stage == "marker":
+        write = store._write_file
+
+        def held_write(path, data):
+            if f"/{name}/.MANIFEST.json.tmp-" in path:
+                write(path, bytes(data)[: len(data) // 2])
+                hold()
+            write(path, data)
+
+        store._write_file = held_write
+    elif stage == "committed":
+        prune = store.GenerationStore.prune
+
+        def held_prune(self):
+            if self.generations()[:1] == [generation]:
+                hold()
+            prune(self)
+
+        store.GenerationStore.prune = held_prune
+    elif stage == "pruning":
+        remove = store._remove
+
+        def held_remove(path):
+            if path.endswith(f"/{name}"):
+                hold()
+            remove(path)
+
+        store._remove = held_remove
+    else:
+        raise ValueError(f"unknown stage {stage!r}")

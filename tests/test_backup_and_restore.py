@@ -254,23 +254,164 @@ def test_corrupt_newest_generation_falls_back_with_a_warning(tmp_path):
     assert max_diff(model.get_weights(), full.get_weights()) <= 1e-6
 
 
-@pytest.mark.parametrize("damage", ["manifest", "checksum", "missing"])
-def test_every_kind_of_damage_is_detected(tmp_path, damage):
-    backup_dir = str(tmp_path / "b")
+@pytest.fixture(scope="module")
+def two_generations(tmp_path_factory):
+    """A backup_dir with generations 1 (end of epoch 0) and 2 (end of epoch
+    1) of `fit_in_process`, to be copied, and the uninterrupted weights."""
+    root = tmp_path_factory.mktemp("two_generations")
+    backup_dir = str(root / "b")
     fit_in_process(BackupAndRestore(backup_dir, save_freq=8,
                                     double_checkpoint=True), crash_at=20)
-    newest = backup_and_restore._generation_dir(backup_dir, 2)
-    if damage == "manifest":
-        os.remove(os.path.join(newest, "MANIFEST.json"))
-    elif damage == "checksum":
+    assert backup_and_restore._generations(backup_dir) == [2, 1]
+    full, _ = fit_in_process(BackupAndRestore(str(root / "full")))
+    return backup_dir, full.get_weights()
+
+
+def _edit_json(path, edit):
+    with open(path) as f:
+        value = json.load(f)
+    value = edit(value)
+    with open(path, "w") as f:
+        json.dump(value, f)
+
+
+def _forge_state(edit):
+    """Rewrites state.json and its manifest entry to match: damage that
+    checksums cannot see."""
+    import hashlib
+
+    def forge(newest):
         path = os.path.join(newest, "state.json")
-        text = open(path).read().replace('"epoch": 2', '"epoch": 1')
-        open(path, "w").write(text)
-    else:
-        os.remove(os.path.join(newest, "variables.npz"))
-    with pytest.warns(UserWarning, match="unusable"):
-        _, history = fit_in_process(BackupAndRestore(backup_dir))
+        with open(path) as f:
+            data = json.dumps(edit(json.load(f))).encode()
+        with open(path, "wb") as f:
+            f.write(data)
+        _edit_json(os.path.join(newest, "MANIFEST.json"), lambda m: {
+            **m, "files": {**m["files"], "state.json": {
+                "size": len(data),
+                "sha256": hashlib.sha256(data).hexdigest()}}})
+    return forge
+
+
+def _unlisted_weights_with_a_flipped_byte(newest):
+    import h5py
+
+    path = os.path.join(newest, "weights.weights.h5")
+    with h5py.File(path, "r") as f:
+        offset = f["layers/dense/vars/0"].id.get_offset()
+    with open(path, "r+b") as f:
+        f.seek(offset)  # the lowest byte of the first kernel value
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 1]))
+    _edit_json(os.path.join(newest, "MANIFEST.json"), lambda m: {
+        **m, "files": {k: v for k, v in m["files"].items()
+                       if k != "weights.weights.h5"}})
+
+
+def _write(name, data):
+    def write(newest):
+        with open(os.path.join(newest, name), "wb") as f:
+            f.write(data)
+    return write
+
+
+def _edit_manifest(edit):
+    return lambda newest: _edit_json(os.path.join(newest, "MANIFEST.json"),
+                                     edit)
+
+
+_DAMAGE = {
+    "checksum": lambda newest: _edit_json(
+        os.path.join(newest, "state.json"), lambda s: {**s, "epoch": 1}),
+    "missing": lambda newest: os.remove(
+        os.path.join(newest, "variables.npz")),
+    "manifest-null": _write("MANIFEST.json", b"null"),
+    "manifest-list": _write("MANIFEST.json", b"[]"),
+    "manifest-half": _write("MANIFEST.json", b'{"generation": 2, "fi'),
+    "files-a-list": _edit_manifest(
+        lambda m: {**m, "files": sorted(m["files"])}),
+    "entry-a-string": _edit_manifest(lambda m: {**m, "files": {
+        **m["files"], "variables.npz": "0" * 64}}),
+    "negative-size": _edit_manifest(lambda m: {**m, "files": {
+        **m["files"], "variables.npz": {
+            **m["files"]["variables.npz"], "size": -1}}}),
+    "only-state-listed": _edit_manifest(lambda m: {**m, "files": {
+        "state.json": m["files"]["state.json"]}}),
+    "another-generation": _edit_manifest(lambda m: {**m, "generation": 1}),
+    "unlisted-weights-flipped": _unlisted_weights_with_a_flipped_byte,
+    "state-a-list": _forge_state(lambda s: []),
+    "state-without-runtime": _forge_state(
+        lambda s: {k: v for k, v in s.items() if k != "runtime"}),
+    "step-in-epoch-negative": _forge_state(
+        lambda s: {**s, "step_in_epoch": -3}),
+    "global-step-a-string": _forge_state(
+        lambda s: {**s, "runtime": {**s["runtime"], "global_step": "16"}}),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(_DAMAGE))
+def test_every_kind_of_damage_is_detected(two_generations, tmp_path, capsys,
+                                          damage):
+    """Damage to the newest generation, however the manifest and state are
+    broken or forged, falls back to the intact older one, with a warning
+    naming it, and resumes exactly; nothing is loaded unverified."""
+    import shutil
+
+    saved, full = two_generations
+    backup_dir = str(tmp_path / "b")
+    shutil.copytree(saved, backup_dir)
+    _DAMAGE[damage](backup_and_restore._generation_dir(backup_dir, 2))
+    with pytest.warns(UserWarning, match=(
+            f"generation 2 in {backup_dir} is unusable .*; falling back "
+            "to generation 1")):
+        model, history = fit_in_process(BackupAndRestore(backup_dir))
+    assert (f"resumed from backup generation 1 at epoch 2, step 0"
+            in capsys.readouterr().out)
     assert len(history.history["loss"]) == 2
+    assert int(model.optimizer.iterations.numpy()) == 24
+    assert max_diff(model.get_weights(), full) <= 1e-6
+
+
+def test_a_kill_before_the_first_commit_leaves_no_backup_yet(tmp_path,
+                                                             recwarn):
+    """What a kill before the first manifest leaves (the files moved in, no
+    manifest) is no backup: the rerun trains from the start, and the
+    leftover goes. tests/test_backup_kills.py kills real commits."""
+    backup_dir = tmp_path / "b"
+    (backup_dir / "gen-00000001").mkdir(parents=True)
+    (backup_dir / "gen-00000001" / "state.json").write_text("{}")
+    model, history = fit_in_process(BackupAndRestore(
+        str(backup_dir), save_freq=4, delete_checkpoint=False), epochs=1)
+    assert int(model.optimizer.iterations.numpy()) == 8
+    assert not [w for w in recwarn if "unusable" in str(w.message)]
+    assert backup_and_restore._generations(str(backup_dir)) == [2]
+
+
+def test_a_generation_without_its_manifest_is_a_leftover_not_damage(
+        two_generations, tmp_path, capsys, recwarn):
+    """The manifest is the commit marker: without it the generation was
+    never committed. It is skipped without a word, and removed."""
+    import shutil
+
+    saved, full = two_generations
+    backup_dir = tmp_path / "b"
+    shutil.copytree(saved, backup_dir)
+    os.remove(backup_dir / "gen-00000002" / "MANIFEST.json")
+    seen = {}
+
+    class Probe(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            seen["entries"] = sorted(p.name for p in backup_dir.iterdir())
+
+    model, history = fit_in_process(BackupAndRestore(str(backup_dir)),
+                                    extra_callbacks=[Probe()])
+    assert seen["entries"] == ["LOCK.json", "gen-00000001"]
+    assert not [w for w in recwarn if "unusable" in str(w.message)]
+    assert ("resumed from backup generation 1 at epoch 2, step 0"
+            in capsys.readouterr().out)
+    assert int(model.optimizer.iterations.numpy()) == 24
+    assert max_diff(model.get_weights(), full) <= 1e-6
 
 
 def test_keep_bounds_generations_and_success_deletes(tmp_path):
@@ -411,6 +552,23 @@ def test_bad_arguments(kwargs, message):
         BackupAndRestore("/tmp/x", **kwargs)
 
 
+@pytest.mark.parametrize("backup_dir, message", [
+    ("gs://", "backup_dir='gs://' names a filesystem but no bucket or "
+     "directory in it (the path would be a local folder named 'gs:'). Give "
+     "the directory for this run's backups, e.g. 'gs://bucket/run1/backup'"),
+    ("ram:///", "backup_dir='ram:///' names a filesystem but no bucket"),
+    ("/", "backup_dir='/' is the filesystem root: BackupAndRestore creates "
+     "and deletes its generations in backup_dir, and the directory itself "
+     "after a finished run. Give a directory of its own, e.g. "
+     "'/tmp/run1/backup'"),
+    ("//", "backup_dir='//' is the filesystem root"),
+])
+def test_a_backup_dir_that_names_no_directory_is_refused(backup_dir, message):
+    with pytest.raises(ValueError) as error:
+        BackupAndRestore(backup_dir)
+    assert message in str(error.value)
+
+
 def test_pruning_and_cleanup_never_follow_links(tmp_path):
     """A `gen-*` link (a warm start pointing at an older run's generation)
     and a `.tmp-*` link in backup_dir: their targets survive every prune
@@ -418,6 +576,8 @@ def test_pruning_and_cleanup_never_follow_links(tmp_path):
     older = tmp_path / "older_run" / "gen-00000007"
     older.mkdir(parents=True)
     (older / "weights.weights.h5").write_bytes(b"the older run's only backup")
+    # Committed there, as generation 7: here it is a damaged generation 1.
+    (older / "MANIFEST.json").write_text('{"generation": 7, "files": {}}')
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     (scratch / "keep.txt").write_text("not backup_dir's")
@@ -438,6 +598,7 @@ def test_pruning_and_cleanup_never_follow_links(tmp_path):
                   callbacks=[backup])
     assert (older / "weights.weights.h5").read_bytes() == (
         b"the older run's only backup")
+    assert (older / "MANIFEST.json").exists()
     assert (scratch / "keep.txt").read_text() == "not backup_dir's"
     assert not any(p.is_symlink() for p in backup_dir.iterdir())
     assert backup_and_restore._generations(str(backup_dir)) == [9]
@@ -450,6 +611,7 @@ def test_pruning_and_cleanup_never_follow_links(tmp_path):
     assert int(model.optimizer.iterations.numpy()) == 12
     assert not backup_dir.exists()
     assert (older / "weights.weights.h5").exists()
+    assert (older / "MANIFEST.json").exists()
 
 
 _FIT_RAISES_THEN_SIGTERM = r"""
@@ -1047,18 +1209,18 @@ _CRASH_WITH_A_WRITE_IN_FLIGHT = r"""
 import sys
 import threading
 import keras
-from keras_mgpu.callbacks import BackupAndRestore, backup_and_restore
+from keras_mgpu.callbacks import BackupAndRestore, _backup_store
 from tests import workers
 
 # The write of the step-4 generation is held until the exception that ends
 # the script has reached the top: only the process's exit can let it finish.
 release = threading.Event()
-write = backup_and_restore._write_file
+write = _backup_store._write_file
 def held_write(path, data):
     if "/.tmp-2-" in path:
         assert release.wait(timeout=workers.HOLD_SECONDS)
     write(path, data)
-backup_and_restore._write_file = held_write
+_backup_store._write_file = held_write
 hook = sys.excepthook
 def excepthook(*args):
     hook(*args)

@@ -78,7 +78,7 @@ def _round_trip(before, after):
     entries, arrays = callback_state.snapshot(before)
     # As saved: through JSON, the arrays through callbacks.npz.
     entries = json.loads(json.dumps(entries, allow_nan=True))
-    callback_state.restore(after, callback_state.decode(entries, arrays, "g"))
+    callback_state.restore(after, callback_state.decode(entries, arrays))
 
 
 def test_keras_adapters_and_a_registered_class_round_trip():
@@ -133,7 +133,7 @@ def test_callbacks_are_matched_by_class_and_position():
 def test_backups_written_before_the_protocol_are_read():
     decoded = callback_state.decode(
         [{"class": "EarlyStopping", "values": {"wait": 1, "best": 0.5}}],
-        None, "g")
+        None)
     stopper = keras.callbacks.EarlyStopping()
     callback_state.restore([stopper], decoded)
     assert (stopper.wait, stopper.best, stopper.best_weights) == (1, 0.5,
@@ -182,9 +182,7 @@ def test_half_the_protocol_and_bad_registrations_are_refused():
 
 
 def test_an_array_missing_from_the_generation_is_named():
-    with pytest.raises(ValueError, match=r"The backup \(generation 4 in d\) "
-                       r"has a callback state whose array 'a0' is not in "
-                       r"its callbacks.npz"):
+    with pytest.raises(ValueError, match=r"a callback state's array 'a0' is "
+                       r"not in its callbacks.npz"):
         callback_state.decode(
-            [{"class": "X", "state": {"w": {"__ndarray__": "a0"}}}], None,
-            "generation 4 in d")
+            [{"class": "X", "state": {"w": {"__ndarray__": "a0"}}}], None)

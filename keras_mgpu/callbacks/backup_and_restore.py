@@ -7,13 +7,10 @@ import hashlib
 import io
 import json
 import os
-import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
-import uuid
 import warnings
 from typing import Optional, Union
 
@@ -23,7 +20,7 @@ import tensorflow as tf
 
 from keras_mgpu._checks import is_nonempty_path, is_positive_int, is_url
 from keras_mgpu import compat
-from keras_mgpu.callbacks import callback_state
+from keras_mgpu.callbacks import _backup_store, callback_state
 from keras_mgpu.callbacks._console import print_msg
 from keras_mgpu.callbacks._backup_lock import BackupDirInUse, OwnerLock  # noqa: F401
 from keras_mgpu import strategy as strategy_lib
@@ -61,12 +58,11 @@ PRESETS = {
 # process waits for it.
 _writes_in_flight = {}
 
-_GENERATION_PREFIX = "gen-"
-_TMP_PREFIX = ".tmp-"
 _WEIGHTS = "weights.weights.h5"
 _EXTRA = "variables.npz"
 _STATE = "state.json"
-_MANIFEST = "MANIFEST.json"
+# What a generation must hold to be restored.
+_REQUIRED = frozenset({_WEIGHTS, _EXTRA, _STATE})
 
 
 def list_presets() -> dict:
@@ -105,7 +101,10 @@ class BackupAndRestore(keras.callbacks.Callback):
     complete generation: into a `.tmp-*` directory inside `backup_dir` (no
     TMPDIR, no local staging for a URL), each file once, from memory, then
     moves the files into place and writes the manifest (sizes and SHA-256
-    checksums of the same bytes) last. At most one save is in flight: the
+    checksums of the same bytes) last, atomically (a temporary name, then a
+    rename; local files are fsynced first): the manifest commits the
+    generation, and a generation directory without one is a leftover of a
+    killed save, skipped and removed. At most one save is in flight: the
     next one waits for it, so no save is skipped. The SIGTERM save and the
     end of `fit` wait for the write. If `fit` raises, the write finishes on
     its thread: the process waits for it before exiting, and the next `fit`
@@ -116,8 +115,10 @@ class BackupAndRestore(keras.callbacks.Callback):
     `keep` generations are kept (1 by default, 2 with
     `double_checkpoint=True`); pruning deletes links, never what they point
     to. A restore verifies the newest
-    generation and falls back to the previous one, with a warning, if it is
-    truncated, corrupt or incomplete; if every one is, it raises (see
+    generation (the manifest and state against their schema, every file it
+    needs listed and matching its checksum; what is loaded is the bytes
+    verified) and falls back to the previous one, with a warning naming it,
+    if it is truncated, corrupt or incomplete; if every one is, it raises (see
     `restart_if_unusable`). Paths go through `tf.io.gfile`,
     so `gs://` and other TensorFlow filesystems work.
 
@@ -254,6 +255,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             raise ValueError(
                 f"backup_dir must be a non-empty path, got {backup_dir!r}."
             )
+        _check_backup_dir(os.fspath(backup_dir))
         flags = {"double_checkpoint": double_checkpoint,
                  "delete_checkpoint": delete_checkpoint,
                  "save_on_sigterm": save_on_sigterm,
@@ -376,8 +378,10 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._epoch_end_save = None
         self._keep_backups = False
         self._lock = None
+        self._store = _backup_store.GenerationStore(self.backup_dir,
+                                                    keep=self.keep)
         if self._chief:
-            _check_writable(self.backup_dir)
+            _check_writable(self._store)
             # Before the restore, which sweeps what killed saves left.
             self._lock = OwnerLock(self.backup_dir)
             self._lock.acquire()
@@ -473,13 +477,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._snapshot = None  # host memory the size of the saved state
         self._release_lock()
         if self.delete_checkpoint and self._chief and not self._keep_backups:
-            for name in _entries(self.backup_dir):
-                if name.startswith((_GENERATION_PREFIX, _TMP_PREFIX)):
-                    _remove(_join(self.backup_dir, name))
-            if (tf.io.gfile.exists(self.backup_dir)
-                    and not _is_link(self.backup_dir)
-                    and not _entries(self.backup_dir)):
-                tf.io.gfile.rmtree(self.backup_dir)
+            self._store.delete()
 
     def _release_lock(self) -> None:
         atexit.unregister(self._release_lock)
@@ -559,94 +557,57 @@ class BackupAndRestore(keras.callbacks.Callback):
     def _write_generation(self, weights: list, extra: list,
                           state: dict, more_files: dict) -> int:
         """Writes one generation from a snapshot (on the writer thread):
-        every file once, from memory, its checksum taken from the same
-        bytes; returns its number. `more_files`: name to bytes (the
-        callbacks' arrays)."""
-        existing = _generations(self.backup_dir)
-        number = (existing[0] + 1) if existing else 1
-        tmp = _join(self.backup_dir, f"{_TMP_PREFIX}{number}-{uuid.uuid4().hex}")
+        every file once, from memory; returns its number. `more_files`:
+        name to bytes (the callbacks' arrays)."""
+        buffer = io.BytesIO()
+        np.savez(buffer, *extra)
+        files = {
+            _WEIGHTS: compat.weights_file(weights),
+            _EXTRA: buffer.getvalue(),
+            _STATE: json.dumps(state, allow_nan=True).encode(),
+            **more_files,
+        }
         try:
-            buffer = io.BytesIO()
-            np.savez(buffer, *extra)
-            files = {
-                _WEIGHTS: compat.weights_file(weights),
-                _EXTRA: buffer.getvalue(),
-                _STATE: json.dumps(state, allow_nan=True).encode(),
-                **more_files,
-            }
-            if not is_url(self.backup_dir):
-                # A clear error before anything is written, rather than a
-                # half-written file.
-                _check_room(self.backup_dir,
-                            sum(len(data) for data in files.values()))
-            tf.io.gfile.makedirs(tmp)
-            for name, data in files.items():
-                _write_file(_join(tmp, name), data)
-            self._commit(tmp, number, files)
-        except (OSError, tf.errors.OpError) as e:
-            _remove_quietly(tmp)
+            return self._store.write(files)
+        except _backup_store.WriteFailed as e:
             previous = (
-                f"Generation {existing[0]} is intact: make room in (or fix) "
+                f"Generation {e.previous} is intact: make room in (or fix) "
                 "backup_dir and rerun, and the run resumes from it."
-                if existing else "No earlier generation exists."
+                if e.previous is not None else "No earlier generation exists."
             )
             raise RuntimeError(
-                f"BackupAndRestore could not write generation {number} to "
-                f"{tmp} ({type(e).__name__}: {e}). Training stops. {previous}"
-            ) from e
-        return number
-
-    def _commit(self, tmp: str, number: int, files: dict) -> None:
-        manifest = {"generation": number, "files": {
-            name: {"size": len(data),
-                   "sha256": hashlib.sha256(data).hexdigest()}
-            for name, data in files.items()
-        }}
-        final = _generation_dir(self.backup_dir, number)
-        # Complete files move in; the manifest, written last, is the commit
-        # marker. Files, not the directory, are renamed: some TensorFlow
-        # filesystems (ram://, object stores) do not rename directories.
-        tf.io.gfile.makedirs(final)
-        for name in files:
-            tf.io.gfile.rename(_join(tmp, name), _join(final, name))
-        _write_file(_join(final, _MANIFEST), json.dumps(manifest).encode())
-        tf.io.gfile.rmtree(tmp)
-        committed = [
-            n for n in _generations(self.backup_dir)
-            if tf.io.gfile.exists(
-                _join(_generation_dir(self.backup_dir, n), _MANIFEST))
-        ]
-        for old in set(_generations(self.backup_dir)) - set(
-            committed[: self.keep]
-        ):
-            # Older generations past `keep`, and uncommitted leftovers of
-            # killed saves; never the one just committed.
-            _remove(_generation_dir(self.backup_dir, old))
+                f"BackupAndRestore could not write generation {e.number} to "
+                f"{e.path} ({type(e.cause).__name__}: {e.cause}). Training "
+                f"stops. {previous}"
+            ) from e.cause
+        except _backup_store.PruneFailed as e:
+            raise RuntimeError(
+                f"BackupAndRestore committed generation {e.number} to "
+                f"{self.backup_dir} but could not remove older generations "
+                f"({type(e.cause).__name__}: {e.cause}). Training stops; "
+                f"fix backup_dir and rerun, and the run resumes from "
+                f"generation {e.number}."
+            ) from e.cause
 
     # --- restoring ----------------------------------------------------------
 
     def _restore(self) -> None:
-        chosen, state, files = None, None, None
-        unusable = []
-        if tf.io.gfile.exists(self.backup_dir):
-            if self._chief:
-                _remove_stale_tmp(self.backup_dir)
-            numbers = _generations(self.backup_dir)
-            for i, number in enumerate(numbers):
-                try:
-                    state, files = _read_generation(self.backup_dir, number)
-                except _CorruptGeneration as e:
-                    unusable.append(f"generation {number} ({e})")
-                    if i + 1 < len(numbers):
-                        warnings.warn(
-                            f"BackupAndRestore: generation {number} in "
-                            f"{self.backup_dir} is unusable ({e}); falling "
-                            f"back to generation {numbers[i + 1]}.",
-                            stacklevel=2,
-                        )
-                    continue
-                chosen = number
-                break
+        store = self._store
+        if self._chief and tf.io.gfile.exists(self.backup_dir):
+            # What killed saves left: uncommitted, so never read.
+            store.remove_leftovers()
+        found = store.latest_usable(_REQUIRED, validate=_parse_state)
+        chosen, state, files = found.number, found.value, found.files
+        unusable = [f"generation {n} ({why})" for n, why in found.unusable]
+        fallbacks = [n for n, _ in found.unusable[1:]] + [chosen]
+        for (number, why), fallback in zip(found.unusable, fallbacks):
+            if fallback is not None:
+                warnings.warn(
+                    f"BackupAndRestore: generation {number} in "
+                    f"{self.backup_dir} is unusable ({why}); falling back "
+                    f"to generation {fallback}.",
+                    stacklevel=2,
+                )
         if self._multi_worker:
             self._check_same_generation(chosen or 0)
         if chosen is None:
@@ -662,18 +623,9 @@ class BackupAndRestore(keras.callbacks.Callback):
             )
         if model.optimizer is not None and not model.optimizer.built:
             model.optimizer.build(model.trainable_variables)
-        if not is_url(self.backup_dir):
-            # Read where it lies (verified above): no TMPDIR needed.
-            model.load_weights(_join(_generation_dir(self.backup_dir, chosen),
-                                     _WEIGHTS))
-        else:
-            local = tempfile.mkdtemp(prefix="keras_mgpu_restore_")
-            try:
-                with open(os.path.join(local, _WEIGHTS), "wb") as f:
-                    f.write(files[_WEIGHTS])
-                model.load_weights(os.path.join(local, _WEIGHTS))
-            finally:
-                shutil.rmtree(local, ignore_errors=True)
+        # The bytes verified above, not the file read again: no TMPDIR
+        # needed either.
+        compat.load_weights_file(model, files[_WEIGHTS])
         with np.load(io.BytesIO(files[_EXTRA])) as extra:
             for i, variable in enumerate(_unsaved_variables(model)):
                 variable.assign(extra[f"arr_{i}"])
@@ -695,9 +647,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                              epoch=state["epoch"],
                              step_in_epoch=state["step_in_epoch"])
         self._last_saved_step = self._runtime.global_step
-        self._pending_callback_state = callback_state.decode(
-            state["callbacks"], files.get(callback_state.ARRAYS_FILE),
-            f"generation {chosen} in {self.backup_dir}")
+        self._pending_callback_state = state["callbacks"]
         if self._chief:
             # Epochs counted as Keras's progress bar counts them; the step is
             # the batches of that epoch already trained.
@@ -809,6 +759,26 @@ class BackupAndRestore(keras.callbacks.Callback):
         return _sum_over_workers(self._strategy, mine) > 0
 
 
+def _check_backup_dir(path: str) -> None:
+    """Refuses a `backup_dir` that names no directory of its own."""
+    if is_url(path):
+        scheme, location = path.split("://", 1)
+        if not location.strip("/"):
+            raise ValueError(
+                f"backup_dir={path!r} names a filesystem but no bucket or "
+                "directory in it (the path would be a local folder named "
+                f"{scheme + ':'!r}). Give the directory for this run's "
+                f"backups, e.g. '{scheme}://bucket/run1/backup'."
+            )
+    elif not path.strip("/"):
+        raise ValueError(
+            f"backup_dir={path!r} is the filesystem root: BackupAndRestore "
+            "creates and deletes its generations in backup_dir, and the "
+            "directory itself after a finished run. Give a directory of "
+            "its own, e.g. '/tmp/run1/backup'."
+        )
+
+
 def _inside_fit(frame, model) -> bool:
     """Whether `frame` (where a signal interrupted the main thread) runs
     inside `model.fit`."""
@@ -818,10 +788,6 @@ def _inside_fit(frame, model) -> bool:
             return True
         frame = frame.f_back
     return False
-
-
-class _CorruptGeneration(Exception):
-    pass
 
 
 class _Write:
@@ -850,130 +816,117 @@ class _Write:
         self._thread.join()
 
 
-def _write_file(path: str, data) -> None:
-    """Writes `data` (bytes, or a memoryview of them) to `path`."""
-    if is_url(path):
-        with tf.io.gfile.GFile(path, "wb") as f:
-            f.write(bytes(data))  # GFile takes bytes only
-        return
-    # A memoryview goes to disk as it is: no copy of a large weights file.
-    with open(path, "wb") as f:
-        f.write(data)
-
-
-def _read_file(path: str) -> bytes:
-    with tf.io.gfile.GFile(path, "rb") as f:
-        return f.read()
-
-
-def _join(*parts: str) -> str:
-    return "/".join(p.rstrip("/") for p in parts)
-
-
-def _entries(directory: str) -> list:
-    if not tf.io.gfile.exists(directory):
-        return []
-    return [name.rstrip("/") for name in tf.io.gfile.listdir(directory)]
-
-
-def _is_link(path: str) -> bool:
-    # Only local paths can be links; "scheme://" ones are never.
-    return not is_url(path) and os.path.islink(path)
-
-
-def _check_room(directory: str, needed: int) -> None:
-    """Raises OSError (ENOSPC or EFBIG) if a generation of `needed` bytes
-    cannot be written to `directory`."""
-    import errno
-
-    free = shutil.disk_usage(directory).free
-    if free < needed:
-        raise OSError(errno.ENOSPC, f"{free} bytes free, a generation needs "
-                      f"about {needed}")
+def _check_writable(store) -> None:
     try:
-        import resource
-    except ImportError:  # not on this platform
-        return
-    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-    if limit != resource.RLIM_INFINITY and limit < needed:
-        raise OSError(errno.EFBIG, f"File too large: this process may not "
-                      f"write files over {limit} bytes (ulimit -f), a "
-                      f"generation needs about {needed}")
+        store.check_writable()
+    except (tf.errors.OpError, OSError) as e:
+        raise PermissionError(
+            f"BackupAndRestore cannot write to backup_dir={store.directory!r} "
+            f"({type(e).__name__}: {e}). Choose a writable directory; any "
+            "backup already there was left untouched."
+        ) from None
 
 
-def _remove_quietly(path: str) -> None:
-    # Cleaning up after a failed write, which may fail the same way.
+def _parse_state(files: dict) -> dict:
+    """The state of a generation whose files verified, checked against its
+    schema; `CorruptGeneration` if it is not what a save writes."""
+    bad = _backup_store.CorruptGeneration
     try:
-        if tf.io.gfile.exists(path):
-            tf.io.gfile.rmtree(path)
-    except (OSError, tf.errors.OpError):
-        pass
+        state = json.loads(files[_STATE])
+    except ValueError as e:
+        raise bad(f"{_STATE} is not JSON ({e})") from None
+    if not isinstance(state, dict):
+        raise bad(f"{_STATE} holds {type(state).__name__}, not an object")
+    if state.get("format") != FORMAT_VERSION:
+        # Another version's layout: refused as such by _check_compatible.
+        return state
+    checks = {
+        "epoch": _is_count, "step_in_epoch": _is_count,
+        "runtime": lambda v: isinstance(v, dict),
+        "architecture": lambda v: isinstance(v, str),
+        "training": lambda v: v is None or (
+            isinstance(v, dict) and {"optimizer", "accum_steps"} <= set(v)
+            and (v["optimizer"] is None or (
+                isinstance(v["optimizer"], dict)
+                and isinstance(v["optimizer"].get("class"), str)
+                and "config" in v["optimizer"]))),
+        # "values": the key of backups written before get_state/set_state.
+        "callbacks": lambda v: isinstance(v, list) and all(
+            isinstance(c, dict) and isinstance(c.get("class"), str)
+            and isinstance(c.get("state", c.get("values")), dict) for c in v),
+    }
+    runtime = state.get("runtime")
+    runtime_checks = {
+        "global_step": _is_count,
+        "samples_seen": lambda v: v is None or _is_amount(v),
+        "epoch_samples": lambda v: v is None or _is_amount(v),
+        "updates_offset": lambda v: v is None or _is_count(v),
+        "input_wait_seconds": _is_amount,
+        "replicas": lambda v: _is_count(v) and v >= 1,
+        "resumes": lambda v: isinstance(v, list) and all(
+            isinstance(e, dict) and set(e) == {
+                "generation", "step", "epoch", "saved_replicas", "replicas"}
+            and all(_is_count(x) for x in e.values()) for e in v),
+    }
+    # Written since the runtime counts a data stream kept across epochs:
+    # absent from older backups, where they mean 0.
+    optional_runtime_checks = {
+        "stream_before_epoch": _is_count,
+        "keras_count_before_epoch": _is_count,
+    }
+    problems = [
+        f"{key} {state.get(key, '(missing)')!r}"
+        for key, valid in checks.items()
+        if key not in state or not valid(state[key])
+    ]
+    if isinstance(runtime, dict):
+        problems += [
+            f"runtime.{key} {runtime.get(key, '(missing)')!r}"
+            for key, valid in runtime_checks.items()
+            if key not in runtime or not valid(runtime[key])
+        ] + [
+            f"runtime.{key} {runtime[key]!r}"
+            for key, valid in optional_runtime_checks.items()
+            if key in runtime and not valid(runtime[key])
+        ]
+    if problems:
+        raise bad(f"{_STATE} has an invalid {', '.join(problems)}")
+    try:
+        # Arrays of the callbacks' states: a missing one is this
+        # generation's fault, as a missing file is.
+        state["callbacks"] = callback_state.decode(
+            state["callbacks"], files.get(callback_state.ARRAYS_FILE))
+    except ValueError as e:
+        raise bad(str(e)) from None
+    return state
 
 
-def _remove(path: str) -> None:
-    """Deletes an entry of backup_dir, never what a link points to (a
-    recursive delete through a link empties its target, outside backup_dir)."""
-    if _is_link(path):
-        os.remove(path)
-    else:
-        tf.io.gfile.rmtree(path)
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
+def _is_amount(value) -> bool:
+    import math
+
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value) and value >= 0)
+
+
+# For reading a backup_dir outside `fit` (tests, tools).
 def _generation_dir(directory: str, number: int) -> str:
-    return _join(directory, f"{_GENERATION_PREFIX}{number:08d}")
+    return _backup_store.GenerationStore(directory).path(number)
 
 
 def _generations(directory: str) -> list:
     """Committed generation numbers, newest first."""
-    numbers = []
-    for name in _entries(directory):
-        suffix = name[len(_GENERATION_PREFIX):]
-        if name.startswith(_GENERATION_PREFIX) and suffix.isdigit():
-            numbers.append(int(suffix))
-    return sorted(numbers, reverse=True)
-
-
-def _remove_stale_tmp(directory: str) -> None:
-    # Left by a save that was killed before its rename.
-    for name in _entries(directory):
-        if name.startswith(_TMP_PREFIX):
-            _remove(_join(directory, name))
+    return _backup_store.GenerationStore(directory).generations()
 
 
 def _read_generation(directory: str, number: int):
-    path = _generation_dir(directory, number)
-    try:
-        manifest = json.loads(_read_file(_join(path, _MANIFEST)))
-        contents = {}
-        for name, expected in manifest["files"].items():
-            data = _read_file(_join(path, name))
-            if len(data) != expected["size"]:
-                raise _CorruptGeneration(
-                    f"{name} has {len(data)} bytes, the manifest says "
-                    f"{expected['size']}"
-                )
-            if hashlib.sha256(data).hexdigest() != expected["sha256"]:
-                raise _CorruptGeneration(f"{name} fails its checksum")
-            contents[name] = data
-        return json.loads(contents.pop(_STATE)), contents
-    except _CorruptGeneration:
-        raise
-    except (tf.errors.OpError, OSError, ValueError, KeyError) as e:
-        raise _CorruptGeneration(f"{type(e).__name__}: {e}") from None
-
-
-def _check_writable(directory: str) -> None:
-    probe = _join(directory, f"{_TMP_PREFIX}probe-{uuid.uuid4().hex}")
-    try:
-        tf.io.gfile.makedirs(directory)
-        _write_file(probe, b"")
-        tf.io.gfile.remove(probe)
-    except (tf.errors.OpError, OSError) as e:
-        raise PermissionError(
-            f"BackupAndRestore cannot write to backup_dir={directory!r} "
-            f"({type(e).__name__}: {e}). Choose a writable directory; any "
-            "backup already there was left untouched."
-        ) from None
+    """(state, the other files) of a generation, verified."""
+    files = _backup_store.GenerationStore(directory).read(number, _REQUIRED)
+    return _parse_state(files), {k: v for k, v in files.items()
+                                 if k != _STATE}
 
 
 def _unsaved_variables(model) -> list:

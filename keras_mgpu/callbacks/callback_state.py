@@ -213,9 +213,10 @@ def _encode(value, arrays: dict, where: str):
         "NumPy arrays.")
 
 
-def decode(entries: list, arrays_file: Optional[bytes], where: str) -> list:
+def decode(entries: list, arrays_file: Optional[bytes]) -> list:
     """`entries` as saved by `snapshot`, their arrays read back from
-    `arrays_file`. Raises ValueError naming `where` if an array is missing."""
+    `arrays_file`. Raises ValueError naming an array that is missing (the
+    backup takes that as its generation's fault)."""
     arrays = {}
     if arrays_file is not None:
         with np.load(io.BytesIO(arrays_file), allow_pickle=False) as loaded:
@@ -225,24 +226,21 @@ def decode(entries: list, arrays_file: Optional[bytes], where: str) -> list:
         # "values": the key of backups written before get_state/set_state.
         state = entry["state"] if "state" in entry else entry["values"]
         decoded.append({"class": entry["class"],
-                        "state": _decode(state, arrays, where)})
+                        "state": _decode(state, arrays)})
     return decoded
 
 
-def _decode(value, arrays: dict, where: str):
+def _decode(value, arrays: dict):
     if isinstance(value, dict):
         if set(value) == {_ARRAY_KEY}:
             key = value[_ARRAY_KEY]
             if key not in arrays:
-                raise ValueError(
-                    f"The backup ({where}) has a callback state whose array "
-                    f"{key!r} is not in its {ARRAYS_FILE}: the generation is "
-                    "incomplete. Use an intact generation or a new "
-                    "backup_dir. The backup was left untouched.")
+                raise ValueError(f"a callback state's array {key!r} is not "
+                                 f"in its {ARRAYS_FILE}")
             return arrays[key][()] if key.startswith("s") else arrays[key]
-        return {k: _decode(v, arrays, where) for k, v in value.items()}
+        return {k: _decode(v, arrays) for k, v in value.items()}
     if isinstance(value, list):
-        return [_decode(v, arrays, where) for v in value]
+        return [_decode(v, arrays) for v in value]
     return value
 
 
