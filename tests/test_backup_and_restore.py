@@ -481,25 +481,58 @@ def test_different_architecture_is_refused_and_backup_kept(tmp_path):
     assert backup_files(backup_dir) == before
 
 
-def test_incompatible_version_is_refused_and_backup_kept(tmp_path):
-    backup_dir = str(tmp_path / "b")
-    fit_in_process(BackupAndRestore(backup_dir, save_freq=8), crash_at=12)
-    newest = backup_and_restore._generation_dir(backup_dir, 1)
-    state_path = os.path.join(newest, "state.json")
-    state = json.load(open(state_path))
-    state["format"], state["keras_mgpu_version"] = 99, "9.0.0"
-    data = json.dumps(state).encode()
-    open(state_path, "wb").write(data)
-    manifest_path = os.path.join(newest, "MANIFEST.json")
-    manifest = json.load(open(manifest_path))
+def _rewrite_state(backup_dir, number, **changes):
+    """Changes generation `number`'s state.json and re-signs its manifest."""
     import hashlib
 
+    generation = backup_and_restore._generation_dir(backup_dir, number)
+    state_path = os.path.join(generation, "state.json")
+    state = json.load(open(state_path))
+    state.update(changes)
+    data = json.dumps(state).encode()
+    open(state_path, "wb").write(data)
+    manifest_path = os.path.join(generation, "MANIFEST.json")
+    manifest = json.load(open(manifest_path))
     manifest["files"]["state.json"] = {
         "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     json.dump(manifest, open(manifest_path, "w"))
-    with pytest.raises(ValueError, match="keras-mgpu 9.0.0 in format 99"):
+    return state_path
+
+
+def test_incompatible_version_is_refused_and_backup_kept(tmp_path):
+    backup_dir = str(tmp_path / "b")
+    fit_in_process(BackupAndRestore(backup_dir, save_freq=8), crash_at=12)
+    state_path = _rewrite_state(backup_dir, 1, format=99,
+                                keras_mgpu_version="9.0.0")
+    with pytest.raises(ValueError, match=r"keras-mgpu 9.0.0 in format 99; "
+                       r"this keras-mgpu \(.*\) reads formats 2 and 3"):
         fit_in_process(BackupAndRestore(backup_dir))
     assert json.load(open(state_path))["format"] == 99
+
+
+def test_a_format_2_backup_still_resumes(tmp_path):
+    """Written before callback states had their own entries ("values", no
+    callbacks.npz): resumed, its EarlyStopping state restored."""
+    backup_dir = str(tmp_path / "b")
+    stopper = keras.callbacks.EarlyStopping("loss", patience=50)
+    fit_in_process(BackupAndRestore(backup_dir, save_freq=8),
+                   crash_at=20, extra_callbacks=[stopper])
+    newest = backup_and_restore._generations(backup_dir)[0]
+    _rewrite_state(backup_dir, newest, format=2, callbacks=[
+        {"class": "EarlyStopping",
+         "values": {"wait": 7, "stopped_epoch": 0, "best": 0.25,
+                    "best_epoch": 0}}])
+    resumed = keras.callbacks.EarlyStopping("loss", patience=50)
+    seen = {}
+
+    class Peek(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            seen.setdefault("wait", resumed.wait)
+
+    model, _ = fit_in_process(BackupAndRestore(backup_dir),
+                              extra_callbacks=[resumed, Peek()])
+    assert seen["wait"] == 7
+    assert int(model.optimizer.iterations.numpy()) == 24
 
 
 def test_unwritable_backup_dir(tmp_path):

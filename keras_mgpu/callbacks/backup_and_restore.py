@@ -31,7 +31,10 @@ from keras_mgpu.runtime import training_runtime
 from keras_mgpu.callbacks._exit_codes import (  # noqa: F401
     RESTART_EXIT_CODE, RETRIED_EXIT_CODES)
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+# Format 2 (before #31): callback states as {"class", "values"} and no
+# callbacks.npz. Still read; an older keras-mgpu refuses format 3 by name.
+_READABLE_FORMATS = (2, FORMAT_VERSION)
 
 # A preset is only a named set of constructor arguments.
 PRESETS = {
@@ -673,13 +676,14 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def _check_compatible(self, state: dict, number: int, files: dict) -> None:
         where = f"generation {number} in {self.backup_dir}"
-        if state.get("format") != FORMAT_VERSION:
+        if state.get("format") not in _READABLE_FORMATS:
             raise ValueError(
                 f"The backup ({where}) was written by keras-mgpu "
                 f"{state.get('keras_mgpu_version')} in format "
                 f"{state.get('format')}; this keras-mgpu ({_version()}) reads "
-                f"format {FORMAT_VERSION}. Resume with that version, or use "
-                "a new backup_dir. The backup was left untouched."
+                f"formats {' and '.join(map(str, _READABLE_FORMATS))}. Resume "
+                "with that version, or use a new backup_dir. The backup was "
+                "left untouched."
             )
         if state["architecture"] != _fingerprint(self.model):
             raise ValueError(
@@ -837,7 +841,7 @@ def _parse_state(files: dict) -> dict:
         raise bad(f"{_STATE} is not JSON ({e})") from None
     if not isinstance(state, dict):
         raise bad(f"{_STATE} holds {type(state).__name__}, not an object")
-    if state.get("format") != FORMAT_VERSION:
+    if state.get("format") not in _READABLE_FORMATS:
         # Another version's layout: refused as such by _check_compatible.
         return state
     checks = {
