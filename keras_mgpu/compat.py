@@ -1016,6 +1016,26 @@ def examples_seen(model) -> float | None:
     return float(np.asarray(keras.ops.convert_to_numpy(count)))
 
 
+def train_on_batch_resets_metrics() -> bool:
+    """Whether Keras's `train_on_batch` resets the metrics (the loss
+    tracker's sample count among them) at every call.
+
+    Keras 3.15 does (`self.reset_metrics()` first thing); 3.10 does not, so
+    there the count runs on over a hand-written loop. Read from the
+    installed trainer's code, not its version. Remove when keras-mgpu no
+    longer supports a Keras without the reset.
+    """
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    method = inspect.unwrap(_require(TensorFlowTrainer, "train_on_batch",
+                                     _TELEMETRY))
+    code = getattr(method, "__code__", None)
+    if code is None:
+        raise _internals_error("`TensorFlowTrainer.train_on_batch`'s code",
+                               _TELEMETRY)
+    return "reset_metrics" in code.co_names
+
+
 # --- Tuning (keras_mgpu.tuner) -----------------------------------------------
 # Keras 3 optimizers keep a schedule, if any, in `_learning_rate` (the
 # public `learning_rate` evaluates it). keras-tuner 1.4 appends its private

@@ -904,16 +904,18 @@ def test_a_gradient_tape_loop_logs_the_losses_it_gives_as_tensorboard_does(
     assert [(r["step"], r["metrics"]) for r in windows] == [
         (s, {"loss": pytest.approx(given[s - 1])}) for s in (2, 4, 6, 8)]
     ours_loss = read_scalars(ours)["batch_loss"]
-    stock_loss = read_scalars(stock)["batch_loss"]
-    assert len(stock_loss) == 4, stock_loss
-    assert ours_loss == [(s, pytest.approx(v, rel=1e-6))
-                         for s, v in stock_loss]
+    # Keras 3.15's TensorBoard writes every second batch here, 3.10's
+    # every batch: ours equals it at the steps ours writes.
+    stock_loss = dict(read_scalars(stock)["batch_loss"])
+    assert [s for s, _ in ours_loss] == [2, 4, 6, 8]
+    assert ours_loss == [(s, pytest.approx(stock_loss[s], rel=1e-6))
+                         for s in (2, 4, 6, 8)]
 
 
 def test_train_on_batch_in_a_callback_list_counts_every_batch(tmp_path):
-    """`train_on_batch` resets Keras's loss tracker at each call: the
-    logger counts each batch's samples (8, 8 and 4) and logs the values the
-    loop gives."""
+    """`train_on_batch` resets Keras's loss tracker at each call (Keras
+    3.15; older releases let it run on): the logger counts each batch's
+    samples (8, 8 and 4) either way and logs the values the loop gives."""
     log_dir = str(tmp_path / "logs")
     x, y = workers.regression_data(20)
     model = workers.build_mlp()
@@ -928,7 +930,7 @@ def test_train_on_batch_in_a_callback_list_counts_every_batch(tmp_path):
         callbacks.on_train_batch_begin(batch)
         logs = model.train_on_batch(x[start:stop], y[start:stop],
                                     return_dict=True)
-        given.append(logs["loss"])
+        given.append(float(logs["loss"]))  # a NumPy array on Keras 3.10
         callbacks.on_train_batch_end(batch, logs)
     callbacks.on_epoch_end(0, logs)
     callbacks.on_train_end()

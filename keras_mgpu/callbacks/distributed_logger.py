@@ -181,8 +181,8 @@ class DistributedLogger(keras.callbacks.Callback):
     compiled step to read, so a window's metrics are the `logs` the loop
     passes to `on_train_batch_end` at the window's last batch (what Keras's
     `TensorBoard` logs), and examples are counted batch by batch, from the
-    loss tracker as `train_on_batch` leaves it (it resets the tracker at
-    every call).
+    loss tracker as `train_on_batch` leaves it (what each call added to
+    it: Keras 3.15 resets it at every call, older releases do not).
 
     Input wait is timed inside the train function: `fit` fetches each batch
     in its compiled step, where no host clock can see it, so the runtime
@@ -280,6 +280,8 @@ class DistributedLogger(keras.callbacks.Callback):
         self._last_batch = 0
         self._given = None  # (epoch, batch, logs) of a hand loop's batch end
         self._counting = False  # a hand-loop batch whose samples are unread
+        self._seen_before = 0.0
+        self._tracker_resets = True
 
     def __deepcopy__(self, memo):
         # A copy (KerasTuner copies callbacks for every trial) is a new
@@ -305,6 +307,8 @@ class DistributedLogger(keras.callbacks.Callback):
         self._hand_loop = not _inside_fit(sys._getframe(), self.model)
         self._given = None
         self._counting = False
+        if self._hand_loop:
+            self._tracker_resets = compat.train_on_batch_resets_metrics()
         self._runtime.time_input()
         self._strategy = self.model.distribute_strategy
         multi = strategy_lib.is_multi_worker(self._strategy)
@@ -387,6 +391,9 @@ class DistributedLogger(keras.callbacks.Callback):
         timed = runtime.input_timed
         self._last_batch = batch
         self._counting = self._hand_loop
+        if self._hand_loop and not self._tracker_resets:
+            # The tracker runs on across calls: this batch is what it adds.
+            self._seen_before = compat.examples_seen(self.model) or 0.0
         self._window.add(steps, self._last, now, timed)
         self._epoch_span.add(steps, self._last, now, timed)
         if self._profile:
@@ -469,13 +476,15 @@ class DistributedLogger(keras.callbacks.Callback):
 
     def _count_hand_batch(self) -> None:
         """Adds the samples of the hand-loop batch just trained to its
-        window and epoch: what Keras's loss tracker holds after it, as
-        `train_on_batch` leaves it (it resets the tracker at every call).
+        window and epoch: what it added to Keras's loss tracker (which
+        `train_on_batch` resets at every call on Keras 3.15, not before).
         Nothing for a step that does not feed it (a `GradientTape` step)."""
         if not self._counting:
             return
         self._counting = False
         seen = compat.examples_seen(self.model)
+        if seen and not self._tracker_resets:
+            seen -= self._seen_before
         if seen:
             self._window.examples += seen
             self._epoch_span.examples += seen
