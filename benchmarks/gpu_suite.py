@@ -1,8 +1,8 @@
 """Every figure a GPU machine should give, from one command: gpu_suite.json, .md.
 
-A GPU machine is lent to this project rarely and briefly (about 15 minutes
-in all, at most 10 minutes per command), so one command has to get every
-GPU figure the project needs, in at most 8 minutes on one GPU:
+GPU time is scarce and brief (minutes, with a limit per command), so one
+command gets every GPU figure the project needs, in at most 8 minutes on
+one GPU:
 
     python benchmarks/gpu_suite.py --out DIR        # on the GPU machine
     OUT=DIR python benchmarks/gpu_suite.py          # the same, into $OUT
@@ -12,7 +12,7 @@ GPU figure the project needs, in at most 8 minutes on one GPU:
 `--out` wins over `$OUT`; one of them is required. The dry run runs every
 part on the CPU (GPUs hidden) with tiny sizes, in about a minute on 2 cores:
 the test suite runs it (`tests/test_gpu_suite.py`), so the GPU run's code
-has run before the GPU machine is lent. On a machine where TensorFlow sees
+has run before it reaches a GPU. On a machine where TensorFlow sees
 no GPU, a run without `--dry-run` records the machine and skips the other
 parts: at GPU sizes they would take hours on a CPU. A Python without
 TensorFlow, Keras, NumPy or pytest (a GPU machine's own Python may hold
