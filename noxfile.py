@@ -3,7 +3,8 @@ newest TensorFlow/Keras pair keras-mgpu supports.
 
     .venv/bin/nox -s oldest      # TensorFlow 2.19.1 + Keras 3.10.0
     .venv/bin/nox -s newest      # TensorFlow 2.21.0 + Keras 3.15.1
-    make matrix                  # both
+    .venv/bin/nox -s nightly     # the newest TensorFlow + keras-nightly
+    make matrix                  # oldest and newest
 
 Each session builds its own virtual environment under `.nox/`. A new pair
 goes here, in `keras_mgpu.compat.TESTED_KERAS` and in docs/compatibility.md's
@@ -13,6 +14,7 @@ compatibility table together.
 import nox
 
 nox.options.default_venv_backend = "venv"
+# `nightly` is not a default: upstream moves daily, so it is run by hand.
 nox.options.sessions = ["oldest", "newest"]
 
 PAIRS = {
@@ -25,6 +27,8 @@ PAIRS = {
 # TensorFlow's coordination service through internals).
 CRITICAL = [
     "tests/test_compat.py",
+    # Every private name taken away in turn, on this pair's names.
+    "tests/test_compat_mutations.py",
     "tests/test_multi_worker_fit.py",
     "tests/test_accumulation.py",
     # In-step accumulation: every optimizer, steps_per_execution and XLA,
@@ -96,6 +100,10 @@ def _critical(session: nox.Session, pair: str) -> None:
     pins = [f"{name}=={version}" for name, version in PAIRS[pair].items()]
     session.install(*pins, "-e", ".[test]")
     session.run("python", "-m", "pip", "check")
+    _run_critical(session)
+
+
+def _run_critical(session: nox.Session) -> None:
     session.run("python", "-c",
                 "import tensorflow as tf, keras; "
                 "print('testing TensorFlow', tf.__version__, "
@@ -116,3 +124,20 @@ def oldest(session: nox.Session) -> None:
 def newest(session: nox.Session) -> None:
     """The critical tests on the newest supported pair."""
     _critical(session, "newest")
+
+
+@nox.session
+def nightly(session: nox.Session) -> None:
+    """The critical tests on the newest keras-nightly over the newest
+    TensorFlow.
+
+    keras-nightly installs the same `keras` package as the `keras`
+    distribution TensorFlow and KerasTuner require, so the release is
+    removed and the nightly put in its place; `pip check` would report that
+    swap, so it is not run here.
+    """
+    session.install("--upgrade", "tensorflow", "-e", ".[test]")
+    session.run("python", "-m", "pip", "uninstall", "--yes", "keras")
+    session.install("--upgrade", "--pre", "--no-deps", "--force-reinstall",
+                    "keras-nightly")
+    _run_critical(session)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib
 import inspect
 import os
 import threading
@@ -28,11 +29,14 @@ from packaging.version import Version
 
 @dataclasses.dataclass(frozen=True)
 class VersionRange:
-    """Keras versions from `low` to `high`, both included.
+    """Keras versions from `low` to `high`, both included, and `nightlies`.
 
     Args:
         low: The oldest version, e.g. `"3.10.0"`.
         high: The newest version, e.g. `"3.15.1"`.
+        nightlies: Development versions outside the range that are
+            included one by one, e.g. `("3.16.0.dev2026102704",)`.
+            Defaults to none.
 
     Example:
 
@@ -42,13 +46,18 @@ class VersionRange:
 
     low: str
     high: str
+    nightlies: tuple = ()
 
     def contains(self, version) -> bool:
-        """Whether `version` (a string or `Version`) lies in the range."""
-        return _parse(self.low) <= _parse(str(version)) <= _parse(self.high)
+        """Whether `version` (a string or `Version`) lies in the range or
+        is one of its nightlies."""
+        version = _parse(str(version))
+        return (_parse(self.low) <= version <= _parse(self.high)
+                or version in map(_parse, self.nightlies))
 
     def __str__(self) -> str:
-        return f"{self.low} to {self.high}"
+        nightlies = "".join(f" and the nightly {v}" for v in self.nightlies)
+        return f"{self.low} to {self.high}{nightlies}"
 
 
 @functools.lru_cache(maxsize=64)
@@ -57,27 +66,203 @@ def _parse(version: str) -> Version:
     return Version(version)
 
 
-# The Keras releases the suite has been run on (docs/compatibility.md).
-TESTED_KERAS = VersionRange("3.10.0", "3.15.1")
+# What the suite has been run on (docs/compatibility.md, noxfile.py): the
+# oldest pair's Keras, the newest release, and the newest keras-nightly the
+# `nightly` session passed on.
+TESTED_KERAS = VersionRange("3.10.0", "3.15.1",
+                            nightlies=("3.16.0.dev2026102704",))
 
-# What rests on Keras internals: named in each KerasInternalsError, and all
-# of them in the warning on an untested Keras.
-_MULTI_WORKER_FIX = "the multi-worker fit fix (keras-team/keras#20585)"
-_MULTI_STEP_FIX = "the steps_per_execution fix for several replicas"
-_ACCUMULATION = "GradientAccumulationModel's train step and optimizer hooks"
-_MIXED = "the mixed-precision audit"
-_BACKUP = "BackupAndRestore's resume hooks"
-_TELEMETRY = "the training runtime's sample count"
-_INPUT_WAIT = "the training runtime's input-wait timing"
-_TUNER = "the tuner's learning-rate scaling"
-_TUNER_STATE = "the tuner's oracle-state fix (KerasTuner's ongoing trials)"
-_TUNER_BEST = "the resumed trial's best checkpoint (KerasTuner's SaveBestEpoch)"
-_EXACT_CLIPPING = ("exact gradient clipping under a strategy (clipping the "
-                   "all-reduced gradient)")
-_STREAM = "BackupAndRestore's resume of a data stream kept across epochs"
-_WORKAROUNDS = (_MULTI_WORKER_FIX, _MULTI_STEP_FIX, _EXACT_CLIPPING,
-                _ACCUMULATION, _MIXED, _BACKUP, _STREAM, _TELEMETRY,
-                _INPUT_WAIT, _TUNER, _TUNER_STATE, _TUNER_BEST)
+@dataclasses.dataclass(frozen=True)
+class Workaround:
+    """One thing keras-mgpu does through a private Keras, TensorFlow or
+    KerasTuner name, and why: one record each, shown as the table of
+    docs/compatibility.md (`workarounds_table()`).
+
+    Args:
+        name: What it is for, as `KerasInternalsError` and
+            `UntestedKerasWarning` name it.
+        upstream: The upstream issue, pull request or source it answers.
+        works_around: What is missing or wrong upstream.
+        applied: When keras-mgpu applies it.
+        remove_when: The condition under which it can go.
+
+    Example:
+
+    >>> any(w.name.startswith("the multi-worker fit fix")
+    ...     for w in WORKAROUNDS)
+    True
+    """
+
+    name: str
+    upstream: str
+    works_around: str
+    applied: str
+    remove_when: str
+
+
+_RECORDS = []
+
+
+def _workaround(name: str, **fields) -> str:
+    _RECORDS.append(Workaround(name=name, **fields))
+    return name
+
+
+_KERAS = "https://github.com/keras-team/keras"
+_KERAS_TF = f"{_KERAS}/blob/v3.15.1/keras/src/backend/tensorflow"
+_TUNER_SRC = ("https://github.com/keras-team/keras-tuner/blob/v1.4.8/"
+              "keras_tuner/src/engine")
+_MULTI_WORKER_FIX = _workaround(
+    "the multi-worker fit fix (keras-team/keras#20585)",
+    upstream=f"{_KERAS}/issues/20585",
+    works_around="`fit`, `evaluate` and `predict` fail under "
+    "MultiWorkerMirroredStrategy: the symbolic build reduces the first "
+    "batch across workers, and scalar logs are reduced with `axis=0`",
+    applied="by `auto_strategy()` and `GradientAccumulationModel` on a "
+    "multi-worker strategy; acts only there",
+    remove_when="keras-team/keras#20585 is fixed: "
+    "`test_stock_keras_multi_worker_fit_still_needs_the_workaround` fails")
+_MULTI_STEP_FIX = _workaround(
+    "the steps_per_execution fix for several replicas",
+    upstream=f"{_KERAS}/issues/19246",
+    works_around="Keras's multi-step loop runs each step in a `tf.cond` "
+    "inside a `tf.while_loop`, which fails on more than one replica "
+    "(`You must feed a value for placeholder tensor .../while/cond/"
+    "Placeholder`)",
+    applied="by `auto_strategy()` and `GradientAccumulationModel`; acts "
+    "where `steps_per_execution > 1` on more than one replica",
+    remove_when="Keras's own loop runs on two replicas: "
+    "`test_steps_per_execution_on_two_replicas_matches_one` passes with "
+    "the fix off")
+_EXACT_CLIPPING = _workaround(
+    "exact gradient clipping under a strategy (clipping the all-reduced "
+    "gradient)",
+    upstream=f"{_KERAS}/pull/19969",
+    works_around="Keras's TensorFlow optimizer clips each replica's "
+    "gradient before the all-reduce (since keras-team/keras#19467 and "
+    "#19969), so a clipped step differs from one device's",
+    applied="by `auto_strategy()`; acts for an optimizer that clips, on "
+    "more than one replica",
+    remove_when="Keras clips the all-reduced gradient: "
+    "`test_stock_keras_still_clips_each_replica` fails")
+_ACCUMULATION = _workaround(
+    "GradientAccumulationModel's train step and optimizer hooks",
+    upstream=f"{_KERAS}/issues/20582",
+    works_around="Keras's own `gradient_accumulation_steps` fails under "
+    "a strategy and all-reduces every micro-batch; accumulating needs "
+    "Keras's loss, loss tracker, all-reduce and LossScaleOptimizer branches, "
+    "which have no public API",
+    applied="by `GradientAccumulationModel`",
+    remove_when="Keras accumulates exactly under a strategy with one "
+    "all-reduce per optimizer step (keras-team/keras#20582)")
+_MIXED = _workaround(
+    "the mixed-precision audit",
+    upstream=f"{_KERAS}/blob/v3.15.1/keras/src/layers/layer.py",
+    works_around="Keras has no public way to list a layer's own "
+    "variables, sublayers, autocasting or a tensor's producing layer",
+    applied="by `audit_mixed_precision`, `FP32OutputHead` and "
+    "`LossScaleMonitor`",
+    remove_when="Keras exposes those (no upstream issue yet)")
+_BACKUP = _workaround(
+    "BackupAndRestore's resume hooks",
+    upstream=f"{_KERAS}/blob/v3.15.1/keras/src/saving/saving_lib.py",
+    works_around="`fit` can only be started at an epoch through "
+    "`model._initial_epoch`; weights can be neither snapshotted to host "
+    "memory without a file nor loaded from bytes; callbacks cannot see "
+    "their `CallbackList`",
+    applied="by `BackupAndRestore` and its presets",
+    remove_when="`Model.load_weights` accepts a file object and Keras "
+    "exposes a mid-epoch resume (no upstream issue yet)")
+_STREAM = _workaround(
+    "BackupAndRestore's resume of a data stream kept across epochs",
+    upstream=f"{_KERAS_TF}/trainer.py",
+    works_around="with `steps_per_epoch`, `fit` keeps one data iterator "
+    "across epochs and counts the batches it handed out, with no public "
+    "position to resume from",
+    applied="by `BackupAndRestore` where the data outlives an epoch",
+    remove_when="Keras exposes the epoch iterator's position (no upstream "
+    "issue yet)")
+_TELEMETRY = _workaround(
+    "the training runtime's sample count",
+    upstream=f"{_KERAS_TF}/trainer.py",
+    works_around="the number of samples trained on is kept only in the "
+    "loss tracker's private `count`",
+    applied="by the training runtime (every callback of keras-mgpu)",
+    remove_when="Keras reports samples seen (no upstream issue yet)")
+_INPUT_WAIT = _workaround(
+    "the training runtime's input-wait timing",
+    upstream=f"{_KERAS}/pull/23305",
+    works_around="Keras fetches batches inside its compiled train "
+    "function, where a callback can neither time the fetch nor count the "
+    "batches of a call where the data ends",
+    applied="by the training runtime, with input timing on or "
+    "`steps_per_execution > 1`",
+    remove_when="Keras reports input wait and batches per call (no "
+    "upstream issue yet)")
+_SUMMARIES = _workaround(
+    "DistributedLogger's recording of the model's summaries",
+    upstream="https://github.com/tensorflow/tensorflow/blob/v2.21.0/"
+    "tensorflow/python/ops/summary_ops_v2.py",
+    works_around="`tf.summary`'s default writer can only be set with a "
+    "flush of the writer on every exit",
+    applied="by `DistributedLogger` around each train step",
+    remove_when="TensorFlow sets a default writer without a flush (no "
+    "upstream issue yet)")
+_STARTUP_DEADLINE = _workaround(
+    "auto_strategy(startup_timeout=...)",
+    upstream="https://github.com/tensorflow/tensorflow/blob/v2.21.0/"
+    "tensorflow/python/distribute/collective_all_reduce_strategy.py",
+    works_around="MultiWorkerMirroredStrategy waits forever for a worker "
+    "that never starts",
+    applied="by `auto_strategy(startup_timeout=...)` under a multi-worker "
+    "`TF_CONFIG`",
+    remove_when="the strategy takes a registration deadline (no upstream "
+    "issue yet)")
+_TUNER = _workaround(
+    "the tuner's learning-rate scaling",
+    upstream=f"{_KERAS}/blob/v3.15.1/keras/src/optimizers/base_optimizer.py",
+    works_around="an optimizer's schedule is kept only in `_learning_rate`",
+    applied="by `StrategyAwareHyperModel` when it scales the learning rate",
+    remove_when="Keras exposes the schedule (no upstream issue yet)")
+_TUNER_STATE = _workaround(
+    "the tuner's oracle-state fix (KerasTuner's ongoing trials)",
+    upstream=f"{_TUNER_SRC}/oracle.py",
+    works_around="KerasTuner 1.4.8 saves `oracle.json` before it takes an "
+    "ended trial out of `ongoing_trials`, so a rerun trains a finished "
+    "trial again",
+    applied="by `StrategyAwareHyperModel` and `keras_mgpu.tuner.launch`",
+    remove_when="KerasTuner saves in the other order: "
+    "`test_kerastuner_still_saves_an_ended_trial_as_ongoing` fails")
+_TUNER_BEST = _workaround(
+    "the resumed trial's best checkpoint (KerasTuner's SaveBestEpoch)",
+    upstream=f"{_TUNER_SRC}/tuner_utils.py",
+    works_around="KerasTuner's `SaveBestEpoch` starts each `fit` at "
+    "-inf/inf, so a resumed trial would take its first resumed epoch as "
+    "the best",
+    applied="by `StrategyAwareHyperModel`'s per-trial backups",
+    remove_when="KerasTuner restores `best_value` itself (no upstream "
+    "issue yet)")
+
+# Every record, in the order of docs/compatibility.md's table.
+WORKAROUNDS = tuple(_RECORDS)
+_WORKAROUNDS = tuple(record.name for record in WORKAROUNDS)
+
+
+def workarounds_table() -> str:
+    """`WORKAROUNDS` as the Markdown table docs/compatibility.md shows.
+
+    Example:
+
+    >>> workarounds_table().splitlines()[0]
+    '| for | upstream | works around | applied | can go when |'
+    """
+    lines = ["| for | upstream | works around | applied | can go when |",
+             "|---|---|---|---|---|"]
+    for w in WORKAROUNDS:
+        link = w.upstream.removeprefix("https://github.com/")
+        lines.append(f"| {w.name} | [{link}]({w.upstream}) | "
+                     f"{w.works_around} | {w.applied} | {w.remove_when} |")
+    return "\n".join(lines)
 
 
 class KerasInternalsError(RuntimeError):
@@ -120,9 +305,11 @@ def warn_if_untested() -> bool:
 
         warnings.warn(
             f"keras-mgpu {ours} was tested with Keras {TESTED_KERAS}, but "
-            f"Keras {version} is installed. The Keras internals these rely "
-            f"on were found in the expected shape, but their results on "
-            f"Keras {version} are unverified: {'; '.join(_WORKAROUNDS)}. "
+            f"Keras {version} is installed. Each Keras internal keras-mgpu "
+            f"relies on is checked where it is first used (a missing or "
+            f"reshaped one is refused with KerasInternalsError), but what "
+            f"these do on Keras {version} is unverified: "
+            f"{'; '.join(_WORKAROUNDS)}. "
             f"Run keras-mgpu's test suite on this Keras, or install "
             f"keras>={TESTED_KERAS.low},<={TESTED_KERAS.high}.",
             UntestedKerasWarning,
@@ -146,12 +333,22 @@ def _internals_error(what: str, used_for: str) -> KerasInternalsError:
 _MISSING = object()
 
 
+def _lookup(owner, name: str):
+    # The one read of a private name (tests take names away through it).
+    return getattr(owner, name, _MISSING)
+
+
+def _import_module(path: str):
+    # The one import of a private module (tests take modules away here).
+    return importlib.import_module(path)
+
+
 def _require(owner, name: str, used_for: str, params=None):
     """`owner.name`, checked: raises `KerasInternalsError` if it is missing,
     or (with `params`) if its leading parameters are not `params`."""
     warn_if_untested()
-    qualname = f"`{getattr(owner, '__name__', type(owner).__name__)}.{name}`"
-    value = getattr(owner, name, _MISSING)
+    qualname = f"`{_owner_name(owner)}.{name}`"
+    value = _lookup(owner, name)
     if value is _MISSING:
         raise _internals_error(qualname, used_for)
     if params is not None:
@@ -165,6 +362,158 @@ def _require(owner, name: str, used_for: str, params=None):
                 used_for,
             )
     return value
+
+
+def _owner_name(owner) -> str:
+    return getattr(owner, "__name__", None) or type(owner).__name__
+
+
+def _require_module(path: str, used_for: str):
+    """The private module `path` (e.g. `keras.src.saving.saving_lib`),
+    checked: a Keras, TensorFlow or KerasTuner that moved it gets
+    `KerasInternalsError`, not an `ImportError` from deep inside a fit."""
+    warn_if_untested()
+    try:
+        return _import_module(path)
+    except ImportError:
+        raise _internals_error(f"the module `{path}`", used_for) from None
+
+
+_TF_TRAINER = "keras.src.backend.tensorflow.trainer"
+_SAVING_LIB = "keras.src.saving.saving_lib"
+
+
+def trainer_class(used_for: str = _MULTI_STEP_FIX) -> type:
+    """Keras's TensorFlow trainer: the class of `_TF_TRAINER` that
+    `keras.Model` derives from (`TensorFlowTrainer` up to Keras 3.15,
+    `Trainer` since keras-team/keras#23397).
+
+    Example:
+
+    >>> issubclass(keras.Model, trainer_class())
+    True
+    """
+    module = _require_module(_TF_TRAINER, used_for)
+    for cls in keras.Model.__mro__:
+        if cls.__module__ == module.__name__:
+            return cls
+    raise _internals_error(
+        f"a trainer class of `{_TF_TRAINER}` among `keras.Model`'s bases",
+        used_for)
+
+
+# --- Keras functions keras-mgpu runs a copy of -------------------------------
+# A copy is right only for the original it was copied from, so the original
+# is checked before the copy runs: its shape (its syntax tree without
+# docstrings, comments or layout, hashed) must be one of those below. A
+# Keras whose original changed is refused (`KerasInternalsError`) until the
+# copy is checked against the new original and its shape added here.
+# `python -m keras_mgpu.compat` prints the installed Keras's shapes.
+
+# shape -> the variant of the original the copy knows, by function.
+_KNOWN_SHAPES = {
+    # The multi-step loop (`enable_multi_step_fit`) and the train function
+    # the runtime's twin re-creates (`instrumented_train_function`). Up to
+    # 3.15 every batch is fetched inside `multi_step_on_iterator`; since
+    # keras-team/keras#23305 one step per call is fetched on the host.
+    "_make_function": {
+        "77e5711252cfdcbe": "graph_fetch",  # 3.10.0 to 3.11.3
+        "86a5dfca54cf6ca3": "graph_fetch",  # 3.12.0 to 3.15.1
+        "9c7b75ec53a7c04d": "host_fetch_one_step",  # 3.16.0.dev2026102704
+    },
+    # The symbolic build `enable_multi_worker_fit` does on one replica.
+    "_maybe_symbolic_build": {
+        "e69d77e6d0785be0": "reduce_first_batch",  # 3.10.0
+        "fd64b7a638fde084": "reduce_first_batch",  # 3.11.0 to 3.16 nightly
+    },
+    # `weights_layout`/`weights_file` and `load_weights_file`: what these do
+    # for a `.weights.h5` file, without the file.
+    "save_weights_only": {
+        "8f0c31d2d4fdf80f": "h5_store",  # 3.10.0 to 3.14.1
+        "76642524f44a30e8": "h5_store",  # 3.15.0 to 3.16 nightly
+    },
+    "load_weights_only": {
+        "efcd49864c49a7a2": "h5_store",  # 3.10.0 to 3.14.1
+        "b254a1d3be333bcd": "h5_store",  # 3.15.0 to 3.15.1
+        "9bac267aa6720ead": "h5_store",  # 3.16.0.dev2026102704
+    },
+}
+
+
+@functools.lru_cache(maxsize=16)
+def _shape_of(function) -> str:
+    """A hash of `function`'s source as Python parses it: the same for the
+    same code whatever its comments, docstrings, layout or Python version."""
+    import ast
+    import textwrap
+
+    source = textwrap.dedent(inspect.getsource(inspect.unwrap(function)))
+    return _shape_of_tree(ast.parse(source).body[0])
+
+
+def _shape_of_tree(tree) -> str:
+    import ast
+    import hashlib
+
+    def without_docstring(body):
+        if (body and isinstance(body[0], ast.Expr)
+                and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            return body[1:]
+        return body
+
+    def dump(node):
+        if isinstance(node, list):
+            return [dump(item) for item in node]
+        if not isinstance(node, ast.AST):
+            return repr(node)
+        fields = []
+        for name in node._fields:
+            # Fields some Python versions add or fill in: not the code's.
+            if name in ("type_params", "type_comment", "kind"):
+                continue
+            value = getattr(node, name, None)
+            if name == "body" and isinstance(
+                    node, (ast.FunctionDef, ast.AsyncFunctionDef,
+                           ast.ClassDef)):
+                value = without_docstring(value)
+            fields.append((name, dump(value)))
+        return [type(node).__name__, fields]
+
+    return hashlib.sha256(repr(dump(tree)).encode()).hexdigest()[:16]
+
+
+def _copied_originals() -> dict:
+    """`{name: (owner, used_for)}` of every Keras function in
+    `_KNOWN_SHAPES`."""
+    saving_lib = _saving_lib()
+    return {
+        "_make_function": (trainer_class(), _MULTI_STEP_FIX),
+        "_maybe_symbolic_build": (trainer_class(), _MULTI_WORKER_FIX),
+        "save_weights_only": (saving_lib, _BACKUP),
+        "load_weights_only": (saving_lib, _BACKUP),
+    }
+
+
+def _copied_variant(owner, name: str, used_for: str) -> str:
+    """The known variant of Keras's `owner.name`, which keras-mgpu runs a
+    copy of; `KerasInternalsError` if its shape is not a known one."""
+    function = _require(owner, name, used_for)
+    # Keras's own, where keras-mgpu has put its copy in its place.
+    function = getattr(function, "keras_stock", function)
+    key = f"{_owner_name(owner)}.{name}"
+    known = _KNOWN_SHAPES[name]
+    try:
+        shape = _shape_of(function)
+    except (OSError, TypeError, SyntaxError):
+        shape = None
+    if shape not in known:
+        raise _internals_error(
+            f"`{key}` as keras-mgpu copied it (its code on this Keras has "
+            f"shape {shape}, not one of {sorted(known)}: keras-mgpu's copy "
+            "may no longer do what Keras's own does)", used_for)
+    return known[shape]
+
 
 # --- keras-team/keras#20585: fit under MultiWorkerMirroredStrategy ----------
 # Still open (measured broken on 3.10.0 and 3.15.1). The fix replaces two
@@ -213,14 +562,17 @@ def enable_multi_worker_fit() -> bool:
     with _lock:
         if _multi_worker_fit_enabled:
             return True
-        from keras.src.backend.tensorflow import trainer as tf_trainer
-
+        tf_trainer = _require_module(_TF_TRAINER, _MULTI_WORKER_FIX)
+        trainer = trainer_class(_MULTI_WORKER_FIX)
         original_reduce = _require(
             tf_trainer, "reduce_per_replica", _MULTI_WORKER_FIX,
             params=("values", "strategy", "reduction"))
         original_build = _require(
-            tf_trainer.TensorFlowTrainer, "_maybe_symbolic_build",
+            trainer, "_maybe_symbolic_build",
             _MULTI_WORKER_FIX, params=("self", "iterator", "data_batch"))
+        _copied_variant(trainer, "_maybe_symbolic_build", _MULTI_WORKER_FIX)
+        _require(trainer, "_symbolic_build", _MULTI_WORKER_FIX,
+            params=("self", "iterator", "data_batch"))
         is_multi_worker = _require(
             tf_trainer, "_collective_all_reduce_multi_worker",
             _MULTI_WORKER_FIX)
@@ -246,7 +598,10 @@ def enable_multi_worker_fit() -> bool:
             return tree.map_structure(reduce, values)
 
         def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-            strategy = self._distribute_strategy
+            # Set by the trainer's `__init__`: read on the model, before
+            # anything is built or trained.
+            strategy = _require(self, "_distribute_strategy",
+                                _MULTI_WORKER_FIX)
             if (
                 strategy is None
                 or iterator is None
@@ -263,10 +618,9 @@ def enable_multi_worker_fit() -> bool:
             with strategy.scope():
                 self._symbolic_build(data_batch=data_batch)
 
+        _maybe_symbolic_build.keras_stock = original_build
         tf_trainer.reduce_per_replica = reduce_per_replica
-        tf_trainer.TensorFlowTrainer._maybe_symbolic_build = (
-            _maybe_symbolic_build
-        )
+        trainer._maybe_symbolic_build = _maybe_symbolic_build
         _multi_worker_fit_enabled = True
     return True
 
@@ -322,11 +676,12 @@ def enable_multi_step_fit() -> bool:
         if _multi_step_fit_enabled:
             return True
         import tensorflow as tf
-        from keras.src.backend.tensorflow import trainer as tf_trainer
 
-        trainer = tf_trainer.TensorFlowTrainer
+        tf_trainer = _require_module(_TF_TRAINER, _MULTI_STEP_FIX)
+        trainer = trainer_class(_MULTI_STEP_FIX)
         original = _require(trainer, "_make_function", _MULTI_STEP_FIX,
                             params=("self", "step_function"))
+        _copied_variant(trainer, "_make_function", _MULTI_STEP_FIX)
         _require(tf_trainer, "reduce_per_replica", _MULTI_STEP_FIX,
                  params=("values", "strategy", "reduction"))
 
@@ -335,6 +690,10 @@ def enable_multi_step_fit() -> bool:
             steps = self.steps_per_execution
             if steps == 1 or strategy.num_replicas_in_sync == 1:
                 return original(self, step_function)
+            # Set below while the loop is traced, where an error would
+            # reach the user wrapped in TensorFlow's: checked here.
+            _require(tf.experimental.Optional.empty(None), "_element_spec",
+                     _MULTI_STEP_FIX)
 
             @tf.autograph.experimental.do_not_convert
             def one_step_on_data(data):
@@ -397,9 +756,16 @@ def enable_multi_step_fit() -> bool:
 
             return function
 
+        _make_function.keras_stock = original
         trainer._make_function = _make_function
         _multi_step_fit_enabled = True
     return True
+
+
+def _tf_optimizer_class(used_for: str) -> type:
+    return _require(
+        _require_module("keras.src.backend.tensorflow.optimizer", used_for),
+        "TFOptimizer", used_for)
 
 
 # --- Gradient clipping under a strategy --------------------------------------
@@ -500,16 +866,16 @@ def enable_exact_clipping() -> bool:
         if _exact_clipping_enabled:
             return True
         import tensorflow as tf
-        from keras.src.backend.tensorflow.optimizer import TFOptimizer
 
+        TFOptimizer = _tf_optimizer_class(_EXACT_CLIPPING)
         clip = _require(TFOptimizer, "_clip_gradients", _EXACT_CLIPPING,
                         params=("self", "grads"))
         all_reduce = _require(
             TFOptimizer, "_all_reduce_sum_gradients", _EXACT_CLIPPING,
             params=("self", "grads_and_vars"))
         # Keras's own, should this process have patched them before.
-        clip = getattr(clip, "_keras_stock", clip)
-        all_reduce = getattr(all_reduce, "_keras_stock", all_reduce)
+        clip = getattr(clip, "keras_stock", clip)
+        all_reduce = getattr(all_reduce, "keras_stock", all_reduce)
 
         def reduces_first(optimizer, grads):
             if not (_exact_clipping_enabled and _clips(optimizer)):
@@ -548,8 +914,8 @@ def enable_exact_clipping() -> bool:
                 _reduced_here.grads = [g for g, _ in reduced if g is not None]
             return reduced
 
-        _clip_gradients._keras_stock = clip
-        _all_reduce_sum_gradients._keras_stock = all_reduce
+        _clip_gradients.keras_stock = clip
+        _all_reduce_sum_gradients.keras_stock = all_reduce
         TFOptimizer._clip_gradients = _clip_gradients
         TFOptimizer._all_reduce_sum_gradients = _all_reduce_sum_gradients
         _exact_clipping_enabled = True
@@ -565,8 +931,8 @@ def enable_exact_clipping() -> bool:
 def check_accumulation_support() -> None:
     """Raises `KerasInternalsError` unless this Keras has everything the
     accumulation wrapper uses (checked before any model is wrapped)."""
-    from keras.src.backend.tensorflow.optimizer import TFOptimizer
-    from keras.src.losses import loss as loss_module
+    TFOptimizer = _tf_optimizer_class(_ACCUMULATION)
+    loss_module = _require_module("keras.src.losses.loss", _ACCUMULATION)
 
     # Replica-local accumulators need `keras.Variable(synchronization=...)`,
     # which Keras 3.8 does not take (3.10 does).
@@ -593,8 +959,7 @@ def compute_loss(model, x, y, y_pred, sample_weight):
 
 def track_loss(model, loss, batch_size) -> None:
     """Feeds `loss` to the model's `loss` metric, as Keras's train_step does."""
-    from keras.src.losses import loss as loss_module
-
+    loss_module = _require_module("keras.src.losses.loss", _ACCUMULATION)
     unscale = _require(loss_module, "unscale_loss_for_distribution",
                        _ACCUMULATION)
     loss_tracker(model, _ACCUMULATION).update_state(
@@ -723,28 +1088,29 @@ def set_cluster_startup_timeout(seconds: float) -> None:
     finds. Must run before the strategy, like the strategy itself.
     """
     import tensorflow as tf
-    from tensorflow.python.distribute import multi_worker_util
-    from tensorflow.python.eager import context
 
-    used_for = "auto_strategy(startup_timeout=...)"
-    needed = ("tensorflow's CoordinationServiceConfig with "
-              "cluster_register_with_barrier")
-    try:
-        from tensorflow.compiler.xla.tsl.protobuf import (
-            coordination_config_pb2 as proto)
-    except ImportError:
-        raise _internals_error(needed, used_for) from None
+    used_for = _STARTUP_DEADLINE
+    multi_worker_util = _require_module(
+        "tensorflow.python.distribute.multi_worker_util", used_for)
+    context = _require_module("tensorflow.python.eager.context", used_for)
+    proto = _require_module(
+        "tensorflow.compiler.xla.tsl.protobuf.coordination_config_pb2",
+        used_for)
     fields = proto.CoordinationServiceConfig.DESCRIPTOR.fields_by_name
     if "cluster_register_with_barrier" not in fields:
-        raise _internals_error(needed, used_for)
-    ctx = context.context()
-    _require(ctx, "configure_coordination_service", used_for)
+        raise _internals_error(
+            "tensorflow's CoordinationServiceConfig with "
+            "cluster_register_with_barrier", used_for)
+    coordination_leader = _require(multi_worker_util, "coordination_leader",
+                                   used_for, params=("cluster_spec",))
+    ctx = _require(context, "context", used_for)()
+    configure = _require(ctx, "configure_coordination_service", used_for)
     cluster_spec = (
         tf.distribute.cluster_resolver.TFConfigClusterResolver().cluster_spec()
     )
-    ctx.configure_coordination_service(
+    configure(
         service_type="standalone",
-        service_leader=multi_worker_util.coordination_leader(cluster_spec),
+        service_leader=coordination_leader(cluster_spec),
         coordinated_jobs=[
             proto.CoordinatedJob(name=job,
                                  num_tasks=cluster_spec.num_tasks(job))
@@ -753,7 +1119,8 @@ def set_cluster_startup_timeout(seconds: float) -> None:
         cluster_register_timeout_in_ms=max(1, int(seconds * 1000)),
     )
     # Without the barrier the deadline is not enforced: the leader waits on.
-    ctx.coordination_service.cluster_register_with_barrier = True
+    _require(ctx, "coordination_service",
+             used_for).cluster_register_with_barrier = True
 
 
 def set_initial_epoch(model, epoch) -> None:
@@ -829,16 +1196,44 @@ class WeightsLayout:
         return store.entries
 
 
-def weights_layout(model) -> WeightsLayout:
-    """Finds where `model.save_weights` would put each of its values."""
-    from keras.src.saving import saving_lib
+def check_backup_support(model) -> None:
+    """Raises `KerasInternalsError` unless this Keras has everything
+    `BackupAndRestore` uses (called as a `fit` begins, before any step)."""
+    _require(model, "_initial_epoch", _BACKUP)
+    _save_state()
+    _load_state()
+    _h5_store()
 
-    save_state = _require(
-        saving_lib, "_save_state", _BACKUP,
+
+def _saving_lib():
+    return _require_module(_SAVING_LIB, _BACKUP)
+
+
+def _save_state():
+    # What `save_weights_only` does for a `.weights.h5` file.
+    _copied_variant(_saving_lib(), "save_weights_only", _BACKUP)
+    return _require(
+        _saving_lib(), "_save_state", _BACKUP,
         params=("saveable", "weights_store", "assets_store", "inner_path",
                 "visited_saveables"))
-    store_class = _recording_store_class(
-        _require(saving_lib, "H5IOStore", _BACKUP))
+
+
+def _load_state():
+    # What `load_weights_only` does for a `.weights.h5` file.
+    _copied_variant(_saving_lib(), "load_weights_only", _BACKUP)
+    return _require(
+        _saving_lib(), "_load_state", _BACKUP,
+        params=("saveable", "weights_store", "assets_store", "inner_path"))
+
+
+def _h5_store():
+    return _require(_saving_lib(), "H5IOStore", _BACKUP)
+
+
+def weights_layout(model) -> WeightsLayout:
+    """Finds where `model.save_weights` would put each of its values."""
+    save_state = _save_state()
+    store_class = _recording_store_class(_h5_store())
     finder = store_class(find_saveables=True)
     save_state(model, weights_store=finder, assets_store=None, inner_path="",
                visited_saveables=set())
@@ -852,10 +1247,8 @@ def weights_file(snapshot: list) -> memoryview:
     it. A view of the buffer they were written to, not a copy."""
     import io
 
-    from keras.src.saving import saving_lib
-
     buffer = io.BytesIO()
-    store = _require(saving_lib, "H5IOStore", _BACKUP)(buffer, mode="w")
+    store = _h5_store()(buffer, mode="w")
     try:
         for path, metadata, values in snapshot:
             entry = store.make(path, metadata=metadata)
@@ -877,13 +1270,8 @@ def load_weights_file(model, data: bytes) -> None:
     """
     import io
 
-    from keras.src.saving import saving_lib
-
-    load_state = _require(
-        saving_lib, "_load_state", _BACKUP,
-        params=("saveable", "weights_store", "assets_store", "inner_path"))
-    store = _require(saving_lib, "H5IOStore", _BACKUP)(io.BytesIO(data),
-                                                       mode="r")
+    load_state = _load_state()
+    store = _h5_store()(io.BytesIO(data), mode="r")
     failed, errors = set(), {}
     try:
         load_state(model, store, None, "", visited_saveables=set(),
@@ -974,13 +1362,18 @@ def summary_scope(writer, step, condition) -> _SummaryScope:
     """A context in which `tf.summary` calls write to `writer` at `step`
     where `condition()` holds (TensorFlow's own summary state: it has no
     public setter without a flush per use)."""
-    from tensorflow.python.ops import summary_ops_v2
+    return _SummaryScope(check_summary_support(), writer, step, condition)
 
-    used_for = "DistributedLogger's recording of the model's summaries"
-    state = _require(summary_ops_v2, "_summary_state", used_for)
+
+def check_summary_support():
+    """TensorFlow's summary state, checked: `KerasInternalsError` unless it
+    has what `summary_scope` sets (called as the logger begins)."""
+    summary_ops_v2 = _require_module("tensorflow.python.ops.summary_ops_v2",
+                                     _SUMMARIES)
+    state = _require(summary_ops_v2, "_summary_state", _SUMMARIES)
     for name in ("writer", "step", "is_recording"):
-        _require(state, name, used_for)
-    return _SummaryScope(state, writer, step, condition)
+        _require(state, name, _SUMMARIES)
+    return state
 
 
 def loss_tracker(model, used_for: str = _TELEMETRY):
@@ -1016,6 +1409,19 @@ def examples_seen(model) -> float | None:
     return float(np.asarray(keras.ops.convert_to_numpy(count)))
 
 
+def check_runtime_support(model) -> None:
+    """Raises `KerasInternalsError` unless this Keras has everything the
+    training runtime reads of `model` and of the running `fit` (called as
+    a `fit` or a hand-written loop begins, before any step)."""
+    examples_count(model)
+    _copied_variant(trainer_class(_INPUT_WAIT), "_make_function", _INPUT_WAIT)
+    epoch_iterator = fit_epoch_iterator(model)
+    if epoch_iterator is not None:
+        epoch_iterator_keeps_iterator(epoch_iterator)
+        epoch_iterator_count(epoch_iterator)
+        _require(epoch_iterator, "_current_iterator", _STREAM)
+
+
 def train_on_batch_resets_metrics() -> bool:
     """Whether Keras's `train_on_batch` resets the metrics (the loss
     tracker's sample count among them) at every call.
@@ -1025,14 +1431,12 @@ def train_on_batch_resets_metrics() -> bool:
     installed trainer's code, not its version. Remove when keras-mgpu no
     longer supports a Keras without the reset.
     """
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-
-    method = inspect.unwrap(_require(TensorFlowTrainer, "train_on_batch",
-                                     _TELEMETRY))
+    trainer = trainer_class(_TELEMETRY)
+    method = inspect.unwrap(_require(trainer, "train_on_batch", _TELEMETRY))
     code = getattr(method, "__code__", None)
     if code is None:
-        raise _internals_error("`TensorFlowTrainer.train_on_batch`'s code",
-                               _TELEMETRY)
+        raise _internals_error(
+            f"`{trainer.__name__}.train_on_batch`'s code", _TELEMETRY)
     return "reset_metrics" in code.co_names
 
 
@@ -1107,17 +1511,24 @@ def tuner_and_trial(callbacks):
 
 def save_best_epoch_class() -> type:
     """KerasTuner's `SaveBestEpoch` callback class."""
-    try:
-        from keras_tuner.src.engine import tuner_utils
-    except ImportError:
-        raise _internals_error("`keras_tuner.src.engine.tuner_utils`",
-                               _TUNER_BEST) from None
+    tuner_utils = _require_module("keras_tuner.src.engine.tuner_utils",
+                                  _TUNER_BEST)
     return _require(tuner_utils, "SaveBestEpoch", _TUNER_BEST)
 
 
 def save_best_epoch_state(callback) -> dict:
     """The state of a `SaveBestEpoch` that decides its next checkpoint."""
     return {"best_value": _require(callback, "best_value", _TUNER_BEST)}
+
+
+def check_save_best_epoch(callbacks) -> None:
+    """Raises `KerasInternalsError` unless each KerasTuner `SaveBestEpoch`
+    among `callbacks` has the state a trial's backup saves (called as the
+    trial's `fit` begins, before any step)."""
+    best = save_best_epoch_class()
+    for callback in callbacks:
+        if isinstance(callback, best):
+            save_best_epoch_state(callback)
 
 
 def set_save_best_epoch_state(callback, state: dict) -> None:
@@ -1200,18 +1611,17 @@ def enable_tuner_state_fix() -> bool:
 
 
 # --- Input wait and batch count (keras_mgpu.runtime) -------------------------
-# Keras's TensorFlow trainer (3.10 to 3.15 at least) makes
-# `model.train_function` a plain closure `function(iterator)` over
-# `multi_step_on_iterator`, a `tf.function` that fetches each batch inside
-# the graph, with `iterator.get_next()` (or `get_next_as_optional()` when
-# `steps_per_execution > 1`), and returns an `Optional` that `function`
-# unwraps (raising StopIteration when empty). A callback can neither time
-# that fetch from the host nor see how many batches a call fetched (fewer
-# than `steps_per_execution` where the data ends), so the same Python step
-# is retraced with an iterator whose fetches are timed and counted in the
-# graph.
-_KERAS_TRAIN_FUNCTION = "TensorFlowTrainer.make_train_function.<locals>.function"
-_warned_train_function = set()
+# Keras's TensorFlow trainer makes `model.train_function` a plain closure
+# `function(iterator)` over `multi_step_on_iterator`, a `tf.function` that
+# fetches each batch inside the graph and returns an `Optional` that
+# `function` unwraps (raising StopIteration when empty); since
+# keras-team/keras#23305 (3.16 nightlies) `function` fetches the batch of a
+# one-step call on the host and calls `one_step_on_data` itself. A callback
+# can neither time an in-graph fetch from the host nor see how many batches
+# a call fetched (fewer than `steps_per_execution` where the data ends), so
+# the same Python step is retraced with an iterator whose fetches are timed
+# and counted. `function` itself is re-created here: `_KNOWN_SHAPES` checks
+# that Keras's is one of the shapes this copy follows.
 
 
 def timed_train_function(train_function, seconds_waited):
@@ -1238,30 +1648,19 @@ def instrumented_train_function(train_function, seconds_waited=None,
 
     Returns None when `train_function` is not Keras's compiled train function
     (e.g. `run_eagerly=True`, another callback's stand-in): then nothing can
-    be timed. When it is Keras's but not in the shape this was written for,
-    also None, with one `UntestedKerasWarning` per Keras version.
+    be timed. Raises `KerasInternalsError` when it is Keras's but made by a
+    `_make_function` of a shape this was not written for.
     """
     import tensorflow as tf
 
     if train_function is None:
         return None
+    variant = _train_function_variant(train_function)
     multi_step = _closure_value(train_function, "multi_step_on_iterator")
     python_function = getattr(multi_step, "python_function", None)
-    if python_function is None:
-        # With run_eagerly=True the step is a plain Python function: n/a.
-        if (multi_step is None
-                and getattr(train_function, "__qualname__", None)
-                == _KERAS_TRAIN_FUNCTION
-                and keras.__version__ not in _warned_train_function):
-            _warned_train_function.add(keras.__version__)
-            warnings.warn(
-                f"keras-mgpu cannot time or count input fetches on Keras "
-                f"{keras.__version__}: its train function no longer has "
-                "the structure keras-mgpu knows (a closure over "
-                "multi_step_on_iterator). input_wait is logged as null.",
-                UntestedKerasWarning, stacklevel=2)
+    if variant is None or python_function is None:
+        # Not Keras's, or run_eagerly=True (a plain Python step): n/a.
         return None
-    warn_if_untested()
 
     @tf.function(reduce_retracing=True)
     def instrumented_multi_step(iterator):
@@ -1269,10 +1668,21 @@ def instrumented_train_function(train_function, seconds_waited=None,
             _InstrumentedIterator(iterator, seconds_waited, batches_read))
 
     iterator_types = (tf.data.Iterator, tf.distribute.DistributedIterator)
+    if variant == "host_fetch_one_step":
+        model = _closure_value(train_function, "self")
+        one_step_on_data = _closure_value(train_function, "one_step_on_data")
+    else:
+        model = one_step_on_data = None
 
     def function(iterator):
         if not isinstance(iterator, iterator_types):
             return train_function(iterator)
+        if model is not None and model.steps_per_execution == 1:
+            optional_inputs = _InstrumentedIterator(
+                iterator, seconds_waited, batches_read).get_next_as_optional()
+            if not optional_inputs.has_value():
+                raise StopIteration
+            return one_step_on_data(optional_inputs.get_value())
         optional_outputs = instrumented_multi_step(iterator)
         if not optional_outputs.has_value():
             raise StopIteration
@@ -1280,6 +1690,19 @@ def instrumented_train_function(train_function, seconds_waited=None,
 
     function.keras_train_function = train_function
     return function
+
+
+def _train_function_variant(train_function) -> Optional[str]:
+    """The shape of the `_make_function` that made `train_function`: Keras's
+    (checked against `_KNOWN_SHAPES`), keras-mgpu's multi-step loop, or None
+    for a function neither made."""
+    qualname = getattr(train_function, "__qualname__", "")
+    if qualname.startswith("enable_multi_step_fit.<locals>"):
+        return "graph_fetch"
+    if getattr(train_function, "__module__", None) != _TF_TRAINER:
+        return None
+    return _copied_variant(trainer_class(_INPUT_WAIT), "_make_function",
+                           _INPUT_WAIT)
 
 
 # --- The data stream of a running `fit` (keras_mgpu.runtime) -----------------
@@ -1300,12 +1723,11 @@ def fit_epoch_iterator(model):
 
     # Checked on the installed trainer, so a renamed local raises here
     # rather than reading as "not inside fit".
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-
-    fit = inspect.unwrap(_require(TensorFlowTrainer, "fit", _STREAM))
+    trainer = trainer_class(_STREAM)
+    fit = inspect.unwrap(_require(trainer, "fit", _STREAM))
     code = getattr(fit, "__code__", None)
     if code is None or "epoch_iterator" not in code.co_varnames:
-        raise _internals_error("`TensorFlowTrainer.fit`'s local "
+        raise _internals_error(f"`{trainer.__name__}.fit`'s local "
                                "`epoch_iterator`", _STREAM)
     frame = sys._getframe(1)
     while frame is not None:
@@ -1401,3 +1823,11 @@ class _InstrumentedIterator:
                         else tf.constant(1, tf.int64))
                 self._batches_read.assign_add(read)
         return element
+
+
+if __name__ == "__main__":
+    # The shapes of the installed Keras's originals, for `_KNOWN_SHAPES`.
+    for _name, (_owner, _) in _copied_originals().items():
+        _function = _lookup(_owner, _name)
+        _function = getattr(_function, "keras_stock", _function)
+        print(f"{_name}: {_shape_of(_function)}  # Keras {keras.__version__}")

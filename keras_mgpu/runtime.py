@@ -213,6 +213,7 @@ class TrainingRuntime:
         params = callback.params
         if self._in_fit and (not params or params is self._fit_params):
             return
+        compat.check_runtime_support(self.model)
         self._in_fit = True
         self._fit_params = params
         self._event = None

@@ -376,6 +376,8 @@ class StrategyAwareHyperModel(keras_tuner.HyperModel):
             per_replica = _DEFAULT_BATCH
         callbacks = list(kwargs.pop("callbacks", None) or [])
         found = compat.tuner_and_trial(callbacks)
+        if self.backup is not False:
+            compat.check_save_best_epoch(callbacks)
         if declared is None and (
             found is None or found[0].oracle.allow_new_entries
         ):

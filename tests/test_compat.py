@@ -121,10 +121,8 @@ def test_a_fit_without_its_epoch_iterator_local_is_refused(monkeypatch):
     # A resume that continues a steps_per_epoch stream finds fit's epoch
     # iterator among its locals; a renamed local must not read as "not
     # inside fit" (which would silently restart the stream).
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-
     assert compat.fit_epoch_iterator(workers.build_mlp()) is None
-    monkeypatch.setattr(TensorFlowTrainer, "fit",
+    monkeypatch.setattr(compat.trainer_class(), "fit",
                         lambda self, x=None, **kwargs: None)
     with pytest.raises(compat.KerasInternalsError,
                        match=r"local `epoch_iterator`"):
@@ -151,11 +149,12 @@ def test_multi_worker_fix_refuses_a_changed_trainer(monkeypatch):
     def _maybe_symbolic_build(self, data_batch=None):  # a reshaped trainer
         pass
 
-    monkeypatch.setattr(tf_trainer.TensorFlowTrainer, "_maybe_symbolic_build",
+    monkeypatch.setattr(compat.trainer_class(), "_maybe_symbolic_build",
                         _maybe_symbolic_build)
     with pytest.raises(compat.KerasInternalsError) as info:
         compat.enable_multi_worker_fit()
-    assert "TensorFlowTrainer._maybe_symbolic_build" in str(info.value)
+    trainer = compat.trainer_class().__name__
+    assert f"{trainer}._maybe_symbolic_build" in str(info.value)
     assert "keras-team/keras#20585" in str(info.value)
     assert f"Keras {keras.__version__}" in str(info.value)
     # Nothing was half-patched.
@@ -418,11 +417,11 @@ def test_multi_step_fix_refuses_a_changed_trainer(monkeypatch):
     from keras.src.backend.tensorflow import trainer as tf_trainer
 
     monkeypatch.setattr(compat, "_multi_step_fit_enabled", False)
-    monkeypatch.setattr(tf_trainer.TensorFlowTrainer, "_make_function",
+    monkeypatch.setattr(compat.trainer_class(), "_make_function",
                         lambda self, step, jit=None: None)
     with pytest.raises(compat.KerasInternalsError,
-                       match=r"TensorFlowTrainer._make_function.*steps_per_"
-                             r"execution fix"):
+                       match=rf"{compat.trainer_class().__name__}"
+                             r"._make_function.*steps_per_execution fix"):
         compat.enable_multi_step_fit()
     assert not compat.multi_step_fit_enabled()
 
@@ -594,3 +593,40 @@ def test_tuner_state_fix_retries_no_ended_trial_and_saves_when_stopped(
     assert rerun.create_trial("tuner0").status == "STOPPED"
     assert rerun.end_order == [ended.trial_id, again.trial_id, last.trial_id]
     assert _saved_ongoing(tmp_path) == {}
+
+
+# --- The record of workarounds and the shapes of copied Keras functions -------
+
+
+def test_docs_show_the_workarounds_as_the_record_says():
+    from pathlib import Path
+
+    docs = (Path(__file__).parents[1] / "docs" / "compatibility.md").read_text()
+    assert compat.workarounds_table() in docs, (
+        "docs/compatibility.md's workaround table differs from "
+        "compat.WORKAROUNDS; paste keras_mgpu.compat.workarounds_table() "
+        "there.")
+    for record in compat.WORKAROUNDS:
+        assert record.upstream.startswith("https://github.com/")
+        assert record.works_around and record.applied and record.remove_when
+
+
+def test_a_shape_is_the_code_not_its_comments_docstring_or_layout():
+    import ast
+
+    def shape(source):
+        return compat._shape_of_tree(ast.parse(source).body[0])
+
+    base = shape('def f(x):\n    """Doc."""\n    # A note.\n    return x + 1\n')
+    assert shape("def f(x):\n    return (x\n            + 1)\n") == base
+    assert shape("def f(x):\n    return x + 2\n") != base
+    assert shape("def f(y):\n    return y + 1\n") != base
+
+
+def test_the_installed_keras_copies_have_known_shapes():
+    # Each copied original of this Keras is one `_KNOWN_SHAPES` lists (a
+    # new Keras fails here, naming the shape to review and add).
+    for name, (owner, used_for) in compat._copied_originals().items():
+        assert compat._copied_variant(owner, name, used_for) in (
+            "graph_fetch", "host_fetch_one_step", "reduce_first_batch",
+            "h5_store")

@@ -345,6 +345,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     # --- fit hooks ----------------------------------------------------------
 
     def on_train_begin(self, logs=None):
+        compat.check_backup_support(self.model)
         left = _writes_in_flight.pop(self.backup_dir, None)
         if left is not None:
             # Left running by a fit that raised (this callback's or

@@ -299,6 +299,7 @@ class DistributedLogger(keras.callbacks.Callback):
     # --- Keras hooks ---------------------------------------------------------
 
     def on_train_begin(self, logs=None):
+        compat.check_summary_support()
         self._runtime = training_runtime(self.model)
         self._runtime.train_begin(self)
         # `fit` reads Keras's compiled step; a hand-written loop (driving a
