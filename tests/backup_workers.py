@@ -2,9 +2,18 @@
 
 Each is a worker entry point (run by `keras_mgpu.launcher`): it creates its
 strategy first, prints `STEP <n>;` after every batch so a test can kill it at
-a chosen step, and returns the final weights.
+a chosen step, and returns the final weights. `serve_forks` runs them in
+forks of one process instead, for tests that kill many runs.
 """
 
+
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 
@@ -144,19 +153,17 @@ def train_partial_executions(backup_dir, data="numpy", kill_at=None,
 
 
 def serve_forks():
-    """Runs each JSON line of stdin as `train_steps(**line)` in a process
-    forked from this one, one at a time, and prints `START <pid>;` (from
-    the child), what the child prints, then `EXIT <pid> <code>;` (a
-    negative code: the signal that ended it).
+    """Runs each JSON line of stdin, `{"target": name, "kwargs": {...}}`, as
+    `name(**kwargs)` (`train_steps` or another function of this module) in
+    a process forked from this one, one at a time, and prints `START <pid>;`
+    (from the child), what the child prints, then `EXIT <pid> <code>;` (a
+    negative code: the signal that ended it). `Forks` is the test's side.
 
     TensorFlow is imported here once, but not started (no op has run, so
     no runtime thread exists to be lost by a fork): a run starts in
     milliseconds instead of the seconds of a fresh interpreter, so a test
     can afford twenty kills.
     """
-    import json
-    import os
-    import sys
     import traceback
 
     import keras  # noqa: F401
@@ -165,7 +172,8 @@ def serve_forks():
     from keras_mgpu.callbacks import BackupAndRestore  # noqa: F401
 
     for line in sys.stdin:
-        kwargs = json.loads(line)
+        request = json.loads(line)
+        target = globals()[request["target"]]
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
@@ -173,7 +181,7 @@ def serve_forks():
             code = 1
             try:
                 print(f"START {os.getpid()};", flush=True)
-                train_steps(**kwargs)
+                target(**request["kwargs"])
                 code = 0
             except BaseException:
                 traceback.print_exc()
@@ -285,3 +293,95 @@ def _hold_the_store_at(stage, generation):
         store._remove = held_remove
     else:
         raise ValueError(f"unknown stage {stage!r}")
+
+
+# Seconds for one run in a fork; they take one or two.
+FORK_TIMEOUT = 240
+
+
+class Forks:
+    """A `serve_forks` process (the test's side): `run(**kwargs)` trains in
+    a fork of it."""
+
+    def __init__(self, workdir):
+        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
+                   CUDA_VISIBLE_DEVICES="-1",
+                   PYTHONPATH=os.pathsep.join(
+                       [repo, os.environ.get("PYTHONPATH", "")]))
+        self._stderr_path = os.path.join(workdir, "serve_forks.stderr")
+        self._stderr = open(self._stderr_path, "w")
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c",
+             "from tests import backup_workers; backup_workers.serve_forks()"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=self._stderr, env=env, cwd=repo)
+        self._buffer = b""
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._proc.stdout, selectors.EVENT_READ)
+        self._child = None
+
+    def run(self, kill_when=None, target="train_steps", **kwargs):
+        """Runs `target(**kwargs)` (a function of this module); SIGKILLs it
+        as soon as `kill_when(line)` returns a number of seconds (not None)
+        for a line it printed, that many seconds later. Returns (exit code,
+        the lines it printed)."""
+        self._proc.stdin.write(json.dumps(
+            {"target": target, "kwargs": kwargs}).encode() + b"\n")
+        self._proc.stdin.flush()
+        lines = []
+        deadline = time.monotonic() + FORK_TIMEOUT
+        while True:
+            line = self._readline(deadline, lines)
+            lines.append(line)
+            if line.startswith("START "):
+                self._child = int(line.split()[1].rstrip(";"))
+            elif line.startswith("EXIT "):
+                self._child = None
+                return int(line.split()[2].rstrip(";")), lines
+            elif kill_when is not None:
+                delay = kill_when(line)
+                if delay is not None:
+                    # Not a synchronisation: a random point of a step
+                    # (and of the write its save started).
+                    time.sleep(delay)
+                    os.kill(self._child, signal.SIGKILL)
+                    kill_when = None
+
+    def _readline(self, deadline, lines):
+        # Raw reads: a buffered reader could hold a second line that
+        # select() then never reports.
+        while b"\n" not in self._buffer:
+            if not self._selector.select(
+                    max(0.0, deadline - time.monotonic())):
+                break
+            data = os.read(self._proc.stdout.fileno(), 65536)
+            if not data:
+                break
+            self._buffer += data
+        else:
+            line, self._buffer = self._buffer.split(b"\n", 1)
+            return line.decode(errors="replace")
+        self.fail(("no line from the training process in time"
+                   if self._proc.poll() is None else "serve_forks exited")
+                  + f" after {lines[-20:]}")
+
+    def fail(self, why):
+        self.close()
+        with open(self._stderr_path) as f:
+            stderr = f.read()
+        raise AssertionError(f"{why}; its stderr:\n{stderr[-4000:]}")
+
+    def stderr(self):
+        with open(self._stderr_path) as f:
+            return f.read()
+
+    def close(self):
+        if self._child is not None:
+            try:
+                os.kill(self._child, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self._proc.kill()
+        self._proc.wait(timeout=60)
+        self._stderr.close()

@@ -65,15 +65,18 @@ def announced_writes(log_dir, epochs=100):
     workers.hold_until_killed()
 
 
-def killed_and_resumed(log_dir, backup_dir, kill_after=None, epochs=2):
+def killed_and_resumed(log_dir, backup_dir, kill_after=None, epochs=2,
+                       hold_after_first=False):
     """Fits a plain model (8 batches per epoch) with `BackupAndRestore`
     saving every batch and `DistributedLogger(update_freq=2)`; with
     `kill_after`, SIGKILLs itself at the end of that global batch, once
     its backup is committed (so the rerun resumes there), while the
     logger's background writer (TensorBoard's events) is held in its
     first write, as a first write that traces for seconds on a busy
-    machine is."""
+    machine is. With `hold_after_first`, prints `HOLDING` after the first
+    batch and waits for a line on stdin (the log_dir is in use then)."""
     import signal
+    import sys
 
     import keras
 
@@ -88,6 +91,9 @@ def killed_and_resumed(log_dir, backup_dir, kill_after=None, epochs=2):
 
     def on_train_batch_end(batch, logs):
         trained[0] += 1
+        if trained[0] == 1 and hold_after_first:
+            print("HOLDING", flush=True)
+            sys.stdin.readline()
         if trained[0] == kill_after:
             workers.finish_backup_writes()
             os.kill(os.getpid(), signal.SIGKILL)

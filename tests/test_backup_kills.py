@@ -6,113 +6,22 @@ resume from the last committed generation and end where an uninterrupted
 run ends.
 """
 
-import json
 import os
 import random
 import re
-import selectors
 import signal
-import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 
 from keras_mgpu.callbacks import backup_and_restore
-
-_TIMEOUT = 240  # seconds for one run; they take one or two
-
-
-class Forks:
-    """A `serve_forks` process: `run(**kwargs)` trains in a fork of it."""
-
-    def __init__(self, workdir):
-        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
-                   CUDA_VISIBLE_DEVICES="-1",
-                   PYTHONPATH=os.pathsep.join(
-                       [repo, os.environ.get("PYTHONPATH", "")]))
-        self._stderr_path = os.path.join(workdir, "serve_forks.stderr")
-        self._stderr = open(self._stderr_path, "w")
-        self._proc = subprocess.Popen(
-            [sys.executable, "-c",
-             "from tests import backup_workers; backup_workers.serve_forks()"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=self._stderr, env=env, cwd=repo)
-        self._buffer = b""
-        self._selector = selectors.DefaultSelector()
-        self._selector.register(self._proc.stdout, selectors.EVENT_READ)
-        self._child = None
-
-    def run(self, kill_when=None, **kwargs):
-        """Runs `train_steps(**kwargs)`; SIGKILLs it as soon as
-        `kill_when(line)` returns a number of seconds (not None) for a line
-        it printed, that many seconds later. Returns (exit code, the lines
-        it printed)."""
-        self._proc.stdin.write(json.dumps(kwargs).encode() + b"\n")
-        self._proc.stdin.flush()
-        lines = []
-        deadline = time.monotonic() + _TIMEOUT
-        while True:
-            line = self._readline(deadline, lines)
-            lines.append(line)
-            if line.startswith("START "):
-                self._child = int(line.split()[1].rstrip(";"))
-            elif line.startswith("EXIT "):
-                self._child = None
-                return int(line.split()[2].rstrip(";")), lines
-            elif kill_when is not None:
-                delay = kill_when(line)
-                if delay is not None:
-                    # Not a synchronisation: a random point of a step
-                    # (and of the write its save started).
-                    time.sleep(delay)
-                    os.kill(self._child, signal.SIGKILL)
-                    kill_when = None
-
-    def _readline(self, deadline, lines):
-        # Raw reads: a buffered reader could hold a second line that
-        # select() then never reports.
-        while b"\n" not in self._buffer:
-            if not self._selector.select(
-                    max(0.0, deadline - time.monotonic())):
-                break
-            data = os.read(self._proc.stdout.fileno(), 65536)
-            if not data:
-                break
-            self._buffer += data
-        else:
-            line, self._buffer = self._buffer.split(b"\n", 1)
-            return line.decode(errors="replace")
-        self.fail(("no line from the training process in time"
-                   if self._proc.poll() is None else "serve_forks exited")
-                  + f" after {lines[-20:]}")
-
-    def fail(self, why):
-        self.close()
-        with open(self._stderr_path) as f:
-            stderr = f.read()
-        raise AssertionError(f"{why}; its stderr:\n{stderr[-4000:]}")
-
-    def stderr(self):
-        with open(self._stderr_path) as f:
-            return f.read()
-
-    def close(self):
-        if self._child is not None:
-            try:
-                os.kill(self._child, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self._proc.kill()
-        self._proc.wait(timeout=60)
-        self._stderr.close()
+from tests import backup_workers
 
 
 @pytest.fixture(scope="module")
 def forks(tmp_path_factory):
-    server = Forks(str(tmp_path_factory.mktemp("forks")))
+    server = backup_workers.Forks(str(tmp_path_factory.mktemp("forks")))
     yield server
     server.close()
 

@@ -828,26 +828,55 @@ def test_the_input_bound_label_comes_from_the_number_shown_beside_it():
 def test_a_sigkilled_run_keeps_every_closed_record_and_the_rerun_continues(
         run_workers, tmp_path):
     """Killed after 13 batches (8 per epoch, windows of 2) on a machine
-    whose two cores run busy loops, with TensorBoard's writes held: the
+    whose two cores run busy loops (from batch 2 on, the first batch a
+    record closes in), with TensorBoard's writes held: the
     JSONL has all 7 records closed by then (windows 2 to 12 and epoch 0's);
-    the resumed run goes on from step 13."""
+    the resumed run goes on from step 13. While the killed run held the
+    log_dir (after its first batch), a logger of this process there was
+    refused; once that run was dead, the rerun and this process write
+    there (the system dropped the dead process's lock)."""
+    import select
+
+    from keras_mgpu.callbacks import LogDirInUse
+
     log_dir, backup_dir = str(tmp_path / "logs"), str(tmp_path / "backup")
-    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-            for _ in range(2)]
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="-1",
+               PYTHONPATH=os.pathsep.join(
+                   [repo, os.environ.get("PYTHONPATH", "")]))
+    stderr_path = tmp_path / "killed.stderr"
+    busy, child = [], None
     try:
-        [killed] = run_workers(
-            logger_workers.killed_and_resumed, num_workers=1, check=False,
-            kwargs={"log_dir": log_dir, "backup_dir": backup_dir,
-                    "kill_after": 13})
-        assert killed.returncode == -signal.SIGKILL, (
-            killed.returncode, killed.stderr[-3000:])
+        with open(stderr_path, "w") as stderr:
+            child = subprocess.Popen(
+                [sys.executable, "-c",
+                 "import sys; from tests import logger_workers; "
+                 "logger_workers.killed_and_resumed(sys.argv[1], sys.argv[2], "
+                 "kill_after=13, hold_after_first=True)",
+                 log_dir, backup_dir],
+                env=env, cwd=repo, text=True, stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=stderr)
+        ready, _, _ = select.select([child.stdout], [], [], 240)
+        line = child.stdout.readline() if ready else ""
+        assert line == "HOLDING\n", (line, child.poll(),
+                                      stderr_path.read_text()[-3000:])
+        with pytest.raises(LogDirInUse, match="written by another process"):
+            _tiny_fit(DistributedLogger(log_dir, console=False))
+        # The busy loops from the first record to be kept on.
+        busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                for _ in range(2)]
+        child.communicate(input="go\n", timeout=240)
+        assert child.returncode == -signal.SIGKILL, (
+            child.returncode, stderr_path.read_text()[-3000:])
         closed = [("window", s) for s in (2, 4, 6, 8)] + [("epoch", 8)] + [
             ("window", 10), ("window", 12)]
+        # The refused logger wrote nothing.
         assert [(r["kind"], r["step"]) for r in read_jsonl(log_dir)] == closed
     finally:
-        for loop in busy:
-            loop.kill()
-            loop.wait()
+        for process in busy + ([child] if child is not None else []):
+            if process.poll() is None:
+                process.kill()
+            process.wait(timeout=60)
 
     [resumed] = run_workers(
         logger_workers.killed_and_resumed, num_workers=1,
@@ -863,6 +892,11 @@ def test_a_sigkilled_run_keeps_every_closed_record_and_the_rerun_continues(
         if record["kind"] == "window":
             assert record["step"] - record["steps"] == before["step"], (
                 before, record)
+    # This process, refused while the killed run lived, writes there now.
+    _tiny_fit(DistributedLogger(log_dir, update_freq=1, console=False))
+    assert [(r["kind"], r["step"])
+            for r in read_jsonl(log_dir)[len(records):]] == [
+        ("window", 1), ("window", 2), ("epoch", 2)]
 
 
 # --- Hand-written loops -------------------------------------------------------
@@ -988,49 +1022,3 @@ def test_a_second_logger_on_a_log_dir_in_use_in_this_process_is_refused(
     _tiny_fit(DistributedLogger(log_dir, update_freq=1, console=False))
     assert [(r["kind"], r["step"]) for r in read_jsonl(log_dir)] == [
         ("window", 1), ("window", 2), ("epoch", 2)] * 2
-
-
-_HOLDING_FIT = r"""
-import sys
-import numpy as np, keras
-from keras_mgpu.callbacks import DistributedLogger
-
-def hold(batch, logs):
-    print("HOLDING", flush=True)
-    sys.stdin.readline()
-
-model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
-model.compile("sgd", "mse")
-model.fit(np.ones((16, 2)), np.ones((16, 1)), batch_size=8, epochs=1,
-          verbose=0, callbacks=[
-              DistributedLogger(sys.argv[1], update_freq=1, console=False),
-              keras.callbacks.LambdaCallback(on_train_batch_end=hold)])
-"""
-
-
-def test_a_log_dir_another_process_writes_is_refused_until_it_dies(
-        tmp_path):
-    import select
-
-    from keras_mgpu.callbacks import LogDirInUse
-
-    log_dir = str(tmp_path / "logs")
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="-1")
-    child = subprocess.Popen(
-        [sys.executable, "-c", _HOLDING_FIT, log_dir], env=env, text=True,
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        ready, _, _ = select.select([child.stdout], [], [], 120)
-        line = child.stdout.readline() if ready else ""
-        assert line == "HOLDING\n", (line, child.poll())
-        with pytest.raises(LogDirInUse, match="written by another process"):
-            _tiny_fit(DistributedLogger(log_dir, console=False))
-    finally:
-        child.kill()
-        _, stderr = child.communicate(timeout=60)
-    assert child.returncode == -signal.SIGKILL, stderr[-3000:]
-    # The system dropped the dead process's lock: this run writes (the
-    # refused fit wrote nothing, the child had closed no record).
-    _tiny_fit(DistributedLogger(log_dir, update_freq=1, console=False))
-    assert [(r["kind"], r["step"]) for r in read_jsonl(log_dir)] == [
-        ("window", 1), ("window", 2), ("epoch", 2)]
