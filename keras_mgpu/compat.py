@@ -160,7 +160,7 @@ _MIXED = _workaround(
     upstream=f"{_KERAS}/blob/v3.15.1/keras/src/layers/layer.py",
     works_around="Keras has no public way to list a layer's own "
     "variables, sublayers, autocasting or a tensor's producing layer",
-    applied="by `audit_mixed_precision`, `FP32OutputHead` and "
+    applied="by `keras_mgpu.mixed_precision.audit`, `FP32OutputHead` and "
     "`LossScaleMonitor`",
     remove_when="Keras exposes those (no upstream issue yet)")
 _BACKUP = _workaround(
@@ -191,7 +191,7 @@ _TELEMETRY = _workaround(
     remove_when="Keras reports samples seen (no upstream issue yet)")
 _INPUT_WAIT = _workaround(
     "the training runtime's input-wait timing",
-    upstream=f"{_KERAS}/pull/23305",
+    upstream=f"{_KERAS_TF}/trainer.py",
     works_around="Keras fetches batches inside its compiled train "
     "function, where a callback can neither time the fetch nor count the "
     "batches of a call where the data ends",
@@ -414,8 +414,9 @@ def trainer_class(used_for: str = _MULTI_STEP_FIX) -> type:
 _KNOWN_SHAPES = {
     # The multi-step loop (`enable_multi_step_fit`) and the train function
     # the runtime's twin re-creates (`instrumented_train_function`). Up to
-    # 3.15 every batch is fetched inside `multi_step_on_iterator`; since
-    # keras-team/keras#23305 one step per call is fetched on the host.
+    # 3.15 every batch is fetched inside `multi_step_on_iterator`; in the
+    # 3.16 nightlies (whose `steps_per_execution` paths keras-team/keras#23179
+    # and #23305 change) a one-step call fetches its batch on the host.
     "_make_function": {
         "77e5711252cfdcbe": "graph_fetch",  # 3.10.0 to 3.11.3
         "86a5dfca54cf6ca3": "graph_fetch",  # 3.12.0 to 3.15.1
@@ -1614,9 +1615,9 @@ def enable_tuner_state_fix() -> bool:
 # Keras's TensorFlow trainer makes `model.train_function` a plain closure
 # `function(iterator)` over `multi_step_on_iterator`, a `tf.function` that
 # fetches each batch inside the graph and returns an `Optional` that
-# `function` unwraps (raising StopIteration when empty); since
-# keras-team/keras#23305 (3.16 nightlies) `function` fetches the batch of a
-# one-step call on the host and calls `one_step_on_data` itself. A callback
+# `function` unwraps (raising StopIteration when empty); in the 3.16
+# nightlies `function` fetches the batch of a one-step call on the host and
+# calls `one_step_on_data` itself. A callback
 # can neither time an in-graph fetch from the host nor see how many batches
 # a call fetched (fewer than `steps_per_execution` where the data ends), so
 # the same Python step is retraced with an iterator whose fetches are timed
