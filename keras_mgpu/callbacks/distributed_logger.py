@@ -369,6 +369,7 @@ class DistributedLogger(keras.callbacks.Callback):
         self._window = _Span()
         self._window_id = None
         self._last_begin = None
+        self._epoch_first_step = None  # global step before its first trained
 
     def on_train_batch_begin(self, batch, logs=None):
         # The hot path: a clock read, comparisons and counters. Everything
@@ -402,6 +403,8 @@ class DistributedLogger(keras.callbacks.Callback):
         if self._hand_loop and not self._tracker_resets:
             # The tracker runs on across calls: this batch is what it adds.
             self._seen_before = compat.examples_seen(self.model) or 0.0
+        if self._epoch_first_step is None:
+            self._epoch_first_step = runtime.completed_steps
         self._window.add(steps, self._last, now, timed)
         self._epoch_span.add(steps, self._last, now, timed)
         if self._profile:
@@ -579,8 +582,11 @@ class DistributedLogger(keras.callbacks.Callback):
         if not any(event.epoch == self._epoch
                    for event in runtime.resumed_here):
             return None
-        # Read from the data (trained or skipped) minus trained here.
-        skipped = runtime.epoch_step - self._epoch_span.steps
+        # Read from the data (trained or skipped) minus trained here, as the
+        # runtime counted them (a call that found the data's end trained
+        # nothing).
+        trained = runtime.completed_steps - self._epoch_first_step
+        skipped = runtime.epoch_step - trained
         return skipped if skipped > 0 else None
 
     @staticmethod
