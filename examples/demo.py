@@ -14,7 +14,10 @@ data is scikit-learn's bundled 8x8 digits: nothing is downloaded. It:
    (`DistributedLogger`) and backing up with the "preemptible" preset;
 5. reports held-out accuracy, throughput and where the logs are.
 
-Press Ctrl-C during training and run it again: it resumes where it stopped.
+Press Ctrl-C during training and run it again (without --fresh): it resumes
+where it stopped. Each training run logs to its own `<workdir>/logs/runN`
+(a resumed one continues its run's): TensorBoard on `<workdir>/logs` shows
+them side by side. `--workers 2` uses its own workdir (`runs/demo-2workers`).
 """
 
 import argparse
@@ -31,7 +34,7 @@ sys.path.insert(0, HERE)
 from _common import REPO, command, shown, tensorboard_command  # noqa: E402
 
 
-def run(workdir: str, epochs: int, trials: int) -> dict:
+def run(workdir: str, log_dir: str, epochs: int, trials: int) -> dict:
     """The demo's training program (one worker's, under --workers)."""
     import keras_mgpu
 
@@ -83,7 +86,8 @@ def run(workdir: str, epochs: int, trials: int) -> dict:
         return model
 
     units, learning_rate = 128, 2e-3
-    if trials and not multi_worker:
+    tuned = bool(trials) and not multi_worker
+    if tuned:
         import keras_tuner
 
         from keras_mgpu.tuner import StrategyAwareHyperModel
@@ -112,7 +116,6 @@ def run(workdir: str, epochs: int, trials: int) -> dict:
         model.compile(keras.optimizers.Adam(learning_rate * scale),
                       "sparse_categorical_crossentropy", metrics=["accuracy"])
 
-    log_dir = f"{workdir}/logs"
     backup_dir = f"{workdir}/backup"
     callbacks = [
         # One line per epoch: loss, throughput, step time, input wait.
@@ -121,15 +124,17 @@ def run(workdir: str, epochs: int, trials: int) -> dict:
         BackupAndRestore.from_preset("preemptible", backup_dir, save_freq=10),
     ]
     say(f"Training {epochs} epochs ({units} hidden units, 2 micro-batches "
-        "per step); press Ctrl-C and run the demo again to resume...")
+        "per step, validated on the held-out digits); press Ctrl-C and run "
+        "the demo again to resume...")
     start = time.perf_counter()
     # The TFRecord dataset's length is unknown until its first epoch ends,
     # where Keras warns that the input "ran out of data": expected here.
     warnings.filterwarnings("ignore", "Your input ran out of data")
     # shuffle=False: Keras 3.15 warns that its default shuffle=True does
     # not apply to a dataset (this one keeps its order, for exact resume).
+    # Validation data: TensorBoard overlays `train` and `validation` curves.
     model.fit(train, epochs=epochs, verbose=0, shuffle=False,
-              callbacks=callbacks)
+              validation_data=test, callbacks=callbacks)
     seconds = time.perf_counter() - start
     accuracy = model.evaluate(test, verbose=0, return_dict=True)["accuracy"]
     findings = mixed_precision.audit(model.inner)
@@ -141,6 +146,7 @@ def run(workdir: str, epochs: int, trials: int) -> dict:
         "devices": ("CPUs" if multi_worker else "logical CPUs") if no_gpu
         else "GPUs",
         "policy": policy,
+        "tuned": tuned,
         "units": int(units),
         "learning_rate": float(learning_rate),
         "accuracy": float(accuracy),
@@ -178,31 +184,69 @@ def report(result: dict, workdir: str, workers: int) -> None:
           + (f", {workers} worker processes" if workers > 1 else ""))
     print(f"  precision:       {result['policy']}; mixed-precision audit: "
           f"{result['audit_findings']} finding(s)")
-    print(f"  tuned model:     {result['units']} hidden units, base learning "
-          f"rate {result['learning_rate']:.2e}")
+    if result["tuned"]:
+        print(f"  tuned model:     {result['units']} hidden units, base "
+              f"learning rate {result['learning_rate']:.2e}")
+    else:
+        print(f"  model:           {result['units']} hidden units, base "
+              f"learning rate {result['learning_rate']:.2e} (not tuned: "
+              + ("the demo tunes in one process only)" if workers > 1
+                 else "--trials 0)"))
     print(f"  optimizer steps: {result['optimizer_steps']} "
           "(2 micro-batches each)")
     print(f"  test accuracy:   {result['accuracy']:.3f} on "
           f"{result['test_examples']} held-out digits (chance: 0.100)")
     last = result["last_epoch"]
     if last and last["examples_per_sec"]:
+        # The console counts epochs from 1; the JSONL's `epoch` is 0-based.
         print(f"  throughput:      {last['examples_per_sec']:,.0f} "
-              "examples/s (last epoch)")
+              f"examples/s (epoch {last['epoch'] + 1}, the last)")
     if last and last["input_wait"] is not None:
         print(f"  input wait:      {input_wait_summary(last['input_wait'])}")
     print(f"  logs:            {shown(result['log_dir'])}")
-    print(f"  view them:       {tensorboard_command(result['log_dir'])}")
+    # Every run of this workdir, side by side.
+    print("  view them:       "
+          + tensorboard_command(os.path.dirname(result["log_dir"])))
     if workers == 1:
         print("  on 2 workers:    " + command(
             shown(os.path.join(HERE, "demo.py")), "--workers 2",
-            "--workdir", shown(f"{workdir}-2workers")))
+            "--workdir", shown(_workdir_for(workdir, 2))))
     if result["devices"] != "GPUs":
         print("  note: CPU run: figures show the mechanics, not GPU speed.")
 
 
+def _workdir_for(workdir: str, workers: int) -> str:
+    """The workdir of a run on `workers` processes: its own, so that its
+    logs and backup never mix with a single process's."""
+    return workdir if workers == 1 else f"{workdir}-{workers}workers"
+
+
+def _log_dir(workdir: str) -> str:
+    """`<workdir>/logs/runN`: the interrupted run's while its backup is
+    there to resume (a finished run deletes it), else a new run's."""
+    logs = os.path.join(workdir, "logs")
+    runs = sorted(int(name[3:]) for name in (
+        os.listdir(logs) if os.path.isdir(logs) else ())
+        if name.startswith("run") and name[3:].isdigit())
+    resuming = runs and os.path.isdir(os.path.join(workdir, "backup"))
+    number = runs[-1] if resuming else (runs[-1] + 1 if runs else 1)
+    return os.path.join(logs, f"run{number}")
+
+
+def _interrupted(workdir: str, fresh: bool) -> str:
+    """What Ctrl-C leaves, and what the next command does with it."""
+    again = ("run the command again without --fresh to resume (with "
+             "--fresh it deletes them and starts over)" if fresh
+             else "run the same command again to resume")
+    return (f"\nInterrupted. {shown(workdir)} keeps the tuning trials and "
+            f"the training backup: {again}.")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workdir", default=os.path.join(REPO, "runs", "demo"))
+    parser.add_argument("--workdir", default=None,
+                        help="default: runs/demo (runs/demo-Nworkers with "
+                             "--workers N)")
     parser.add_argument("--epochs", type=int, default=12)
     parser.add_argument("--trials", type=int, default=2)
     parser.add_argument("--workers", type=int, default=1)
@@ -213,24 +257,35 @@ def main() -> None:
     args = parser.parse_args()
     if args.smoke:
         args.epochs, args.trials = 2, 1
+    if args.workdir is None:
+        args.workdir = _workdir_for(os.path.join(REPO, "runs", "demo"),
+                                    args.workers)
     if args.fresh:
         shutil.rmtree(args.workdir, ignore_errors=True)
-    kwargs = {"workdir": args.workdir, "epochs": args.epochs,
-              "trials": args.trials}
+    log_dir = _log_dir(args.workdir)
+    kwargs = {"workdir": args.workdir, "log_dir": log_dir,
+              "epochs": args.epochs, "trials": args.trials}
+    print(("Continuing" if os.path.isdir(log_dir) else "Starting")
+          + f" run {os.path.basename(log_dir)[3:]} of {shown(args.workdir)}"
+          f" (logs: {shown(log_dir)}).", flush=True)
     if args.workers > 1:
         from keras_mgpu.launcher import run_local_workers
 
+        print(f"Training {args.epochs} epochs on {args.workers} worker "
+              "processes (MultiWorkerMirroredStrategy; no tuning: the demo "
+              "tunes in one process). Their output shows when they finish, "
+              "in a minute or more...", flush=True)
         results = run_local_workers("demo:run", args.workers, kwargs=kwargs,
                                     timeout=1800, cwd=HERE)
-        result = next(r.result for r in results if r.result["chief"])
+        chief = next(r for r in results if r.result["chief"])
+        print(chief.stdout, end="", flush=True)
+        result = chief.result
     else:
         try:
             result = run(**kwargs)
         except KeyboardInterrupt:
             # The tuner and the backup keep what was done.
-            print(f"\nInterrupted. {shown(args.workdir)} keeps the tuning "
-                  "trials and the training backup: run the same command "
-                  "again to resume.")
+            print(_interrupted(args.workdir, args.fresh))
             sys.exit(130)
     report(result, args.workdir, args.workers)
     if not args.smoke:

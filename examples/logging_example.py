@@ -2,7 +2,9 @@
 
     python examples/logging_example.py [--smoke] [--workdir DIR]
 
-Then run the TensorBoard command it prints.
+Then run the TensorBoard command it prints: `train` and `validation` loss
+overlay on one chart. The console counts epochs from 1, as Keras's progress
+bar does; the JSONL's `epoch` field is 0-based, as Keras's callbacks get it.
 """
 
 # _common first: it quiets TensorFlow's start-up logs.
@@ -20,7 +22,7 @@ from keras_mgpu.callbacks import DistributedLogger  # noqa: E402
 
 args = parse_args(__doc__.splitlines()[0])
 log_dir = f"{workdir(args.workdir, 'logging')}/logs"
-(x, y), _ = digits()
+(x, y), (x_test, y_test) = digits()
 with strategy.scope():
     model = keras.Sequential([
         keras.Input((64,)),
@@ -30,9 +32,13 @@ with strategy.scope():
     model.compile("adam", "sparse_categorical_crossentropy",
                   metrics=["accuracy"])
 model.fit(x, y, batch_size=64, epochs=2 if args.smoke else 10, verbose=0,
+          validation_data=(x_test, y_test),
           callbacks=[DistributedLogger(log_dir, update_freq=5)])
 with open(f"{log_dir}/metrics.jsonl") as f:
     last = json.loads(f.readlines()[-1])
-print(f"last record: {last['kind']} {last['epoch']}: "
-      f"{last['examples_per_sec']:.0f} examples/s")
+# The last record is the last epoch's.
+print(f"last record: epoch {last['epoch'] + 1} "
+      f"(\"epoch\": {last['epoch']}, 0-based in the JSONL): "
+      f"{last['examples_per_sec']:.0f} examples/s, validation loss "
+      f"{last['metrics']['val_loss']:.3f}")
 print(f"view it: {tensorboard_command(log_dir)}")

@@ -825,6 +825,46 @@ def test_the_input_bound_label_comes_from_the_number_shown_beside_it():
     assert input_wait_summary(0.2001) == "20.0% of step time (highly input-bound)"
 
 
+class CrashAfter(keras.callbacks.Callback):
+    """Raises at the end of global batch `step` (a Ctrl-C, a crash)."""
+
+    def __init__(self, step):
+        super().__init__()
+        self.step = step
+
+    def on_train_batch_end(self, batch, logs=None):
+        if training_runtime(self.model).global_step == self.step:
+            raise RuntimeError("crash")
+
+
+def test_an_epoch_resumed_inside_reports_the_batches_it_trained(tmp_path,
+                                                                 capsys):
+    """7 batches an epoch, backups every 3: crashed after global batch 11,
+    the rerun resumes after batch 9, i.e. epoch 2 (1-based) after its
+    batch 2. Its epoch line and record say so and count the 5 batches (68
+    samples) trained here, not the epoch's 7; an epoch run whole says
+    nothing of a resume."""
+    from keras_mgpu.callbacks import BackupAndRestore
+
+    log_dir, backup_dir = str(tmp_path / "logs"), str(tmp_path / "backup")
+    with pytest.raises(RuntimeError, match="crash"):
+        small_fit(mirrored(1), log_dir, validation=False,
+                  callbacks=[BackupAndRestore(backup_dir, save_freq=3),
+                             CrashAfter(11)])
+    first = capsys.readouterr().out
+    assert "DistributedLogger epoch 1: loss" in first, first
+    small_fit(mirrored(1), log_dir, validation=False,
+              callbacks=[BackupAndRestore(backup_dir, save_freq=3)])
+    out = capsys.readouterr().out
+    epochs = [r for r in read_jsonl(log_dir) if r["kind"] == "epoch"]
+    assert [(r["epoch"], r["resumed_after"], r["steps"], r["examples"])
+            for r in epochs] == [(0, None, 7, 100.0), (1, 2, 5, 68.0)]
+    assert epochs[1]["examples_per_sec"] == pytest.approx(
+        68.0 / epochs[1]["seconds"])
+    assert re.search(r"^DistributedLogger epoch 2 \(resumed after batch 2: "
+                     r"5 batches trained here\): loss ", out, re.M), out
+
+
 def test_a_sigkilled_run_keeps_every_closed_record_and_the_rerun_continues(
         run_workers, tmp_path):
     """Killed after 13 batches (8 per epoch, windows of 2) on a machine

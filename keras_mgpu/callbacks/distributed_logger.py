@@ -30,9 +30,12 @@ from keras_mgpu.runtime import training_runtime
 # be measured in this run is `null`.
 JSONL_KEYS = (
     "kind",  # "window" (every `update_freq` steps), "epoch" or "resume"
-    "epoch",  # 0-based epoch index
+    "epoch",  # 0-based epoch index, as Keras's callbacks get it
     "step",  # the run's global step (train batches, across resumes)
     "steps",  # batches trained in the record
+    "resumed_after",  # epoch records of an epoch a resume began inside: the
+    #                   batches of it the interrupted run had trained (not
+    #                   counted in `steps`, `seconds`, `examples`); else null
     "time",  # Unix time when the record closed
     "seconds",  # wall time of the record: first batch begin to last batch done
     "examples",  # samples trained on in the record, all replicas and workers
@@ -220,7 +223,11 @@ class DistributedLogger(keras.callbacks.Callback):
             marked as a step, so xprof's overview shows step times.
         console: Defaults to `True`. Print a one-line summary per epoch on
             the chief (after Keras's progress bar has finished its line);
-            `True` or `False`.
+            `True` or `False`. Epochs are counted from 1 there, as Keras's
+            progress bar counts them; the records' `epoch` is 0-based, as
+            Keras's callbacks and its `TensorBoard` number epochs. An epoch
+            a resume began inside says so: "epoch 3 (resumed after batch
+            20: 3 batches trained here)", its figures over those batches.
 
     Example:
 
@@ -362,6 +369,7 @@ class DistributedLogger(keras.callbacks.Callback):
         self._window = _Span()
         self._window_id = None
         self._last_begin = None
+        self._epoch_first_step = None  # global step before its first trained
 
     def on_train_batch_begin(self, batch, logs=None):
         # The hot path: a clock read, comparisons and counters. Everything
@@ -395,6 +403,8 @@ class DistributedLogger(keras.callbacks.Callback):
         if self._hand_loop and not self._tracker_resets:
             # The tracker runs on across calls: this batch is what it adds.
             self._seen_before = compat.examples_seen(self.model) or 0.0
+        if self._epoch_first_step is None:
+            self._epoch_first_step = runtime.completed_steps
         self._window.add(steps, self._last, now, timed)
         self._epoch_span.add(steps, self._last, now, timed)
         if self._profile:
@@ -557,12 +567,27 @@ class DistributedLogger(keras.callbacks.Callback):
                                  counters.global_step, measured[0],
                                  common, metrics))
         if final:
+            measured[1]["resumed_after"] = self._resumed_after()
             self._epoch_record = _record("epoch", self._epoch,
                                          counters.global_step, measured[1],
                                          common, {})
         self._last = state
         self._window = _Span()
         return time.perf_counter()
+
+    def _resumed_after(self) -> Optional[int]:
+        """The batches of this epoch a resume skipped (the interrupted run
+        trained them), or None where the epoch did not resume inside."""
+        runtime = self._runtime
+        if not any(event.epoch == self._epoch
+                   for event in runtime.resumed_here):
+            return None
+        # Read from the data (trained or skipped) minus trained here, as the
+        # runtime counted them (a call that found the data's end trained
+        # nothing).
+        trained = runtime.completed_steps - self._epoch_first_step
+        skipped = runtime.epoch_step - trained
+        return skipped if skipped > 0 else None
 
     @staticmethod
     def _snapshot(counters) -> dict:
@@ -1128,7 +1153,14 @@ def _shows_progress_bar(params) -> bool:
 
 
 def _console_line(record: dict) -> str:
-    parts = [f"DistributedLogger epoch {record['epoch'] + 1}:"]
+    # 1-based, as Keras's progress bar counts epochs ("Epoch 3/12").
+    head = f"DistributedLogger epoch {record['epoch'] + 1}"
+    if record["resumed_after"]:
+        # The interrupted run trained the epoch's first batches: the figures
+        # are this run's, over the batches it trained.
+        head += (f" (resumed after batch {record['resumed_after']}: "
+                 f"{_batches(record['steps'])} trained here)")
+    parts = [head + ":"]
     loss = record["metrics"].get("loss")
     if loss is not None:
         parts.append(f"loss {loss:.4g},")
@@ -1145,3 +1177,7 @@ def _console_line(record: dict) -> str:
     if record["workers"] > 1:
         parts.append(f"(slowest worker {record['slowest_worker']})")
     return " ".join(parts)
+
+
+def _batches(count: int) -> str:
+    return f"{count} batch{'' if count == 1 else 'es'}"
