@@ -14,18 +14,18 @@ argument parser, and the constants and list parsers it checks values with,
 live here and import only the standard library. `main` imports
 `keras_mgpu.cli`, which runs the command, only once the arguments parse.
 
-`quiet_tensorflow()` is also used by the examples: it imports TensorFlow
-without the log lines TensorFlow prints while it loads.
+`quiet_tensorflow()` (from `keras_mgpu_quiet`, also importable from here)
+imports TensorFlow without the log lines it prints while it loads.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
-import tempfile
 from typing import Callable, Optional, Sequence
+
+from keras_mgpu_quiet import quiet_tensorflow
 
 MODELS = ("resnet", "mlp")
 PRECISIONS = ("float32", "mixed", "mixed_bfloat16", "mixed_float16")
@@ -44,15 +44,6 @@ FEATURES = {
     "profile": ("TensorBoard", "xprof"),
     "wandb": ("wandb",),
 }
-
-# What TensorFlow's C++ libraries print while `import tensorflow` loads them,
-# before TF_CPP_MIN_LOG_LEVEL is read: INFO lines (`I0123 ...`), absl's
-# banner, and the second line of cpu_feature_guard's notice.
-_IMPORT_NOISE = re.compile(
-    r"^(I\d{4} |WARNING: All log messages before absl::InitializeLog\(\)"
-    r"|To enable the following instructions:)"
-)
-
 
 # --- Argument values ----------------------------------------------------------
 
@@ -342,73 +333,6 @@ in it, e.g. '/bench.json'.
                 f"--json and --plot name the same file {args.json!r}: the "
                 "chart would overwrite the results. Give each its own path.")
     return args
-
-
-# --- TensorFlow's import noise ---------------------------------------------------
-
-
-def quiet_tensorflow() -> None:
-    """Imports TensorFlow without its load-time log lines, unless you chose a level.
-
-    TensorFlow's C++ libraries print INFO lines (oneDNN, "Could not find
-    cuda drivers", cpu_feature_guard) and absl's "All log messages before
-    absl::InitializeLog()" banner while `import tensorflow` loads them,
-    before any setting is read. When `TF_CPP_MIN_LOG_LEVEL` is unset and
-    TensorFlow is not imported yet, this sets `TF_CPP_MIN_LOG_LEVEL=3` (for
-    this process and the processes it starts, such as
-    `keras_mgpu.launcher`'s workers), imports TensorFlow with file
-    descriptor 2 captured, and writes every captured line back to stderr
-    except those INFO lines and the banner. If the import fails, everything
-    captured is written back and the error is raised.
-
-    When `TF_CPP_MIN_LOG_LEVEL` is set, even to `0`, it does nothing: your
-    setting wins, and TensorFlow prints what it prints.
-
-    Example:
-
-    >>> quiet_tensorflow()  # doctest: +SKIP
-    >>> import tensorflow as tf  # doctest: +SKIP
-    """
-    if "TF_CPP_MIN_LOG_LEVEL" in os.environ or "tensorflow" in sys.modules:
-        return
-    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
-    sys.stderr.flush()
-    try:
-        saved = os.dup(2)
-    except OSError:
-        # No stderr to capture (e.g. closed by a daemon): nothing to quiet.
-        import tensorflow  # noqa: F401
-        return
-    with tempfile.TemporaryFile() as captured:
-        os.dup2(captured.fileno(), 2)
-        try:
-            import tensorflow  # noqa: F401
-        except BaseException:
-            _restore_stderr(saved)
-            _write_back(captured, keep=lambda line: True)
-            raise
-        _restore_stderr(saved)
-        _write_back(captured,
-                    keep=lambda line: not _IMPORT_NOISE.match(line))
-
-
-def _restore_stderr(saved: int) -> None:
-    # Python-level writes made during the import sit in sys.stderr's buffer
-    # and belong in the capture, before the lines that follow it.
-    try:
-        sys.stderr.flush()
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-
-
-def _write_back(captured, keep: Callable[[str], bool]) -> None:
-    captured.seek(0)
-    text = captured.read().decode("utf-8", errors="replace")
-    lines = [line for line in text.splitlines(keepends=True) if keep(line)]
-    if lines:
-        sys.stderr.write("".join(lines))
-        sys.stderr.flush()
 
 
 # --- The command -----------------------------------------------------------------

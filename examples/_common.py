@@ -1,7 +1,7 @@
 """Shared by the examples: quiet TensorFlow, bundled data, flags, paths.
 
 Import it before TensorFlow or keras_mgpu: it hides TensorFlow's C++ start-up
-log lines (unless TF_CPP_MIN_LOG_LEVEL is set).
+log lines (a TF_CPP_MIN_LOG_LEVEL you set wins).
 """
 
 import argparse
@@ -9,7 +9,7 @@ import os
 import shutil
 import sys
 
-from keras_mgpu_cli import quiet_tensorflow
+from keras_mgpu_quiet import quiet_tensorflow
 
 quiet_tensorflow()
 

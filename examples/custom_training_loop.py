@@ -76,7 +76,9 @@ with strategy.scope():
     fit_model.compile(keras.optimizers.SGD(0.1),
                       keras.losses.SparseCategoricalCrossentropy(
                           from_logits=True))
-fit_model.fit(dataset, epochs=epochs, verbose=0)
+# shuffle=False: the dataset's own order, as the loop saw it (fit's default
+# shuffle=True does not apply to a dataset; Keras 3.15 warns it is ignored).
+fit_model.fit(dataset, epochs=epochs, verbose=0, shuffle=False)
 difference = max(float(np.abs(a - b).max()) for a, b in
                  zip(loop_model.get_weights(), fit_model.get_weights()))
 print(f"fit: same weights as the loop within {difference:.1e}")

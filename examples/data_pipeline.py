@@ -75,7 +75,9 @@ for name, options in pipelines.items():
     train = data.tfrecord_dataset(pattern, per_replica_batch_size=32,
                                   strategy=strategy, map_fn=slow_decode,
                                   **options)
-    model.fit(train, epochs=2, verbose=0, callbacks=[
+    # shuffle=False: the dataset shuffles itself (fit's default shuffle=True
+    # does not apply to one, and Keras 3.15 warns that it is ignored).
+    model.fit(train, epochs=2, verbose=0, shuffle=False, callbacks=[
         DistributedLogger(log_dir, update_freq="epoch", console=False)])
     with open(os.path.join(log_dir, "metrics.jsonl")) as f:
         last = [json.loads(line) for line in f][-1]

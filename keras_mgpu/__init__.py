@@ -6,10 +6,32 @@ registers every serializable class with Keras. The others (`cli`,
 `launcher`, `runtime`, `tuner`) are imported on first access as attributes:
 `keras_mgpu.tuner` imports keras-tuner only then, and raises `ImportError`
 with the install command when it is missing.
+
+To start TensorFlow without its C++ log lines, call
+`keras_mgpu_quiet.quiet_tensorflow()` before importing this package.
 """
 
 import importlib
 import os
+import sys
+
+
+def _started_as_cli() -> bool:
+    # `python -m keras_mgpu.cli` imports this package before the module it
+    # runs (sys.argv[0] is "-m" meanwhile), so the command's quiet start has
+    # to happen here, as the `keras-mgpu` console script's does before it
+    # imports this package.
+    if sys.argv[:1] != ["-m"]:
+        return False
+    args = getattr(sys, "orig_argv", [])
+    return any(a == "keras_mgpu.cli" and args[i - 1] == "-m"
+               or a == "-mkeras_mgpu.cli" for i, a in enumerate(args))
+
+
+if _started_as_cli():
+    from keras_mgpu_quiet import quiet_tensorflow
+
+    quiet_tensorflow()
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 

@@ -425,7 +425,10 @@ def tfrecord_dataset(
 
     Returns:
         A `tf.data.Dataset` of batches, ready for `fit` (or for
-        `strategy.experimental_distribute_dataset`).
+        `strategy.experimental_distribute_dataset`). On one worker, without
+        `repeat`, and checked against the spec (`verify` other than
+        `"none"`), its length (`cardinality()`) is the number of batches,
+        so `fit` knows the epoch's length from the start.
 
     Example:
 
@@ -487,6 +490,7 @@ def tfrecord_dataset(
             f"No files match {pattern!r}. Check the path, or write shards "
             "with keras_mgpu.data.write_tfrecords."
         )
+    expected = None
     if verify == "none":
         parse = _parser(read_spec(_folder(files[0])))
     else:
@@ -523,6 +527,16 @@ def tfrecord_dataset(
     if repeat:
         dataset = dataset.repeat()
     dataset = dataset.batch(global_batch, drop_remainder=drop_remainder)
+    if expected is not None and not repeat and workers == 1:
+        # The checked spec gives the length; without it, fit learns it only
+        # when the first epoch runs out, and Keras warns "Your input ran out
+        # of data". Several workers each read a share set when the dataset
+        # is distributed, so there it stays unknown.
+        examples = sum(count for count, _ in expected.values())
+        batches = (examples // global_batch if drop_remainder
+                   else -(-examples // global_batch))
+        dataset = dataset.apply(
+            tf.data.experimental.assert_cardinality(batches))
     dataset = dataset.prefetch(tf.data.AUTOTUNE)
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = (

@@ -569,13 +569,16 @@ def run_quiet_tensorflow(level=None, path=()):
     return done.returncode, done.stdout.splitlines(), done.stderr
 
 
-def test_quiet_tensorflow_hides_the_real_start_up_lines():
+@pytest.mark.parametrize("level", [None, "3"], ids=["unset", "3"])
+def test_quiet_tensorflow_hides_the_real_start_up_lines(level):
     # The control: with the user's level 0, TensorFlow prints its lines.
     code, out, loud = run_quiet_tensorflow(level="0")
-    assert code == 0 and out == ["0", "False"], loud
+    assert code == 0 and out == ["0", "True"], loud
     if ABSL_BANNER not in loud and not INFO_LINE.search(loud):
         pytest.skip("this TensorFlow prints nothing while it loads")
-    code, out, quiet = run_quiet_tensorflow()
+    # Unset, or 3 as exported to silence TensorFlow (which alone does not
+    # hide what it prints while it loads).
+    code, out, quiet = run_quiet_tensorflow(level)
     assert code == 0 and out == ["3", "True"], quiet
     assert ABSL_BANNER not in quiet
     assert not INFO_LINE.search(quiet), quiet
@@ -611,20 +614,43 @@ def fake_tensorflow(tmp_path, fail=False):
     return folder
 
 
-def test_quiet_tensorflow_keeps_all_but_the_info_lines(tmp_path):
-    code, out, err = run_quiet_tensorflow(path=[fake_tensorflow(tmp_path)])
-    assert code == 0 and out == ["3", "True"], err
-    assert err.splitlines() == [
-        FAKE_LINES[4], FAKE_LINES[5], "python-level warning from the import"]
-
-
-def test_quiet_tensorflow_lets_the_user_level_win(tmp_path):
-    code, out, err = run_quiet_tensorflow(level="0",
+@pytest.mark.parametrize("level, shown", [
+    # Unset: quiet_tensorflow sets 3, which hides INFO, WARNING and ERROR.
+    (None, []),
+    ("3", []),
+    # A stricter or looser level the user set wins, line by line.
+    ("2", [FAKE_LINES[5]]),
+    ("1", [FAKE_LINES[4], FAKE_LINES[5]]),
+    ("0", list(FAKE_LINES)),
+    # Not an integer: 0, as TensorFlow reads it.
+    ("verbose", list(FAKE_LINES)),
+])
+def test_quiet_tensorflow_applies_the_level_to_the_start_up_lines(
+        level, shown, tmp_path):
+    code, out, err = run_quiet_tensorflow(level=level,
                                           path=[fake_tensorflow(tmp_path)])
-    # Left alone: imported later, by the program, printing every line.
-    assert code == 0 and out == ["0", "False"], err
-    assert err.splitlines() == [*FAKE_LINES,
-                                "python-level warning from the import"]
+    assert code == 0 and out == ["3" if level is None else level, "True"], err
+    # Python's own output during the import is never hidden.
+    assert err.splitlines() == [*shown, "python-level warning from the import"]
+
+
+def test_quiet_tensorflow_after_tensorflow_warns(tmp_path):
+    code = textwrap.dedent("""
+        import warnings
+        import tensorflow
+        from keras_mgpu_quiet import quiet_tensorflow
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            quiet_tensorflow()
+        print(caught[0].message)
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(fake_tensorflow(tmp_path)), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                          text=True, timeout=60, env=env)
+    assert done.returncode == 0, done.stderr
+    assert "called after TensorFlow was imported" in done.stdout
+    assert "Call it first" in done.stdout
 
 
 def test_quiet_tensorflow_shows_everything_when_the_import_fails(tmp_path):

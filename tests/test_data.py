@@ -6,6 +6,7 @@ import os
 import queue
 import re
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -843,3 +844,29 @@ def test_rebatch_refuses_a_bad_batch_size(size):
 
 def test_rebatch_takes_a_numpy_batch_size():
     assert int(data.rebatch(_ids(8, 2), np.int64(4)).cardinality()) == 2
+
+
+@pytest.mark.parametrize("drop_remainder, batches", [(False, 3), (True, 2)])
+def test_fit_knows_the_epoch_length_and_never_runs_out(drop_remainder,
+                                                       batches, tmp_path):
+    # The spec gives the length: fit does not learn it by running out of
+    # data (Keras's "Your input ran out of data" warning).
+    import keras
+
+    x = np.random.RandomState(0).rand(20, 3).astype("float32")
+    data.write_tfrecords((x, x[:, :1]), str(tmp_path), num_shards=2)
+    strategy = mirrored(2)
+    dataset = data.tfrecord_dataset(f"{tmp_path}/*.tfrecord", strategy=strategy,
+                                    per_replica_batch_size=4,
+                                    drop_remainder=drop_remainder)
+    assert int(dataset.cardinality()) == batches
+    assert len(list(dataset)) == batches
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(dataset, epochs=2, verbose=0, shuffle=False)
+    assert not [str(w.message) for w in caught
+                if "ran out of data" in str(w.message)]
+    assert int(model.optimizer.iterations.numpy()) == 2 * batches

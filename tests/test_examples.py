@@ -15,8 +15,17 @@ EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(__file__)),
                         "examples")
 
 
+# TensorFlow's C++ log lines, and Python warnings (Keras's `UserWarning`s
+# name a file in site-packages): an example's output shows neither.
+NOISE = re.compile(r"^([IWEF]\d{4} [\d:.]+ +\d+ \S+:\d+\]"
+                   r"|WARNING: All log messages before absl"
+                   r"|.*\b\w*Warning: )", re.M)
+
+
 def example_env():
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="-1")
+    # TF_CPP_MIN_LOG_LEVEL unset, as a user runs them.
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="-1")
+    env.pop("TF_CPP_MIN_LOG_LEVEL", None)
     env.pop("TF_CONFIG", None)
     return env
 
@@ -30,6 +39,8 @@ def run_example(name, tmp_path, *args, timeout=300):
         cwd=EXAMPLES)
     assert proc.returncode == 0, (
         f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    noise = [m.group(0) for m in NOISE.finditer(proc.stdout + proc.stderr)]
+    assert not noise, f"{name} printed {noise}:\n{proc.stderr[-5000:]}"
     return proc.stdout
 
 

@@ -40,16 +40,72 @@ def test_every_python_snippet_is_checked():
         PRINTS)
 
 
-@pytest.mark.parametrize("code", blocks("python"), ids=snippet_id)
-def test_python_snippet_runs_as_pasted(code, tmp_path):
+# What TensorFlow's C++ code prints (absl's format, its pre-init banner, the
+# second line of cpu_feature_guard's notice), and the sources the README's
+# users met: none of it may reach a documented command's output.
+TF_LOG_LINE = re.compile(
+    r"^([IWEF]\d{4} [\d:.]+ +\d+ \S+:\d+\]"
+    r"|WARNING: All log messages before absl::InitializeLog"
+    r"|To enable the following instructions:)"
+    r"|cudart_stub|cpu_feature_guard|oneDNN custom operations|cuInit",
+    re.M)
+# TF_CPP_MIN_LOG_LEVEL as users run the commands: unset, and the usual
+# "silence TensorFlow" setting (which alone does not silence its start).
+LEVELS = {"level-unset": None, "level-3": "3"}
+
+
+def quiet_env(level):
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="-1")
     env.pop("TF_CONFIG", None)
     env.pop("WANDB_MODE", None)  # the snippet itself must say "offline"
+    env.pop("WANDB_SERVICE", None)  # no wandb-core of this process
+    env.pop("TF_CPP_MIN_LOG_LEVEL", None)
+    if level is not None:
+        env["TF_CPP_MIN_LOG_LEVEL"] = level
+    return env
+
+
+def assert_no_tensorflow_log_line(output):
+    lines = [m.group(0) for m in TF_LOG_LINE.finditer(output)]
+    assert not lines, f"TensorFlow log lines {lines}:\n{output[-4000:]}"
+
+
+@pytest.mark.parametrize("level", LEVELS.values(), ids=LEVELS)
+@pytest.mark.parametrize("code", blocks("python"), ids=snippet_id)
+def test_python_snippet_runs_as_pasted(code, level, tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path,
-                          env=env, capture_output=True, text=True,
-                          timeout=300)
+                          env=quiet_env(level), capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     assert PRINTS[snippet_id(code)] in proc.stdout, proc.stdout
+    assert_no_tensorflow_log_line(proc.stdout + proc.stderr)
+
+
+def test_every_snippet_starts_quiet():
+    # The README's promise: one call, first, before TensorFlow loads.
+    for code in blocks("python"):
+        assert code.startswith("from keras_mgpu_quiet import quiet_tensorflow"
+                               "\nquiet_tensorflow()"), code[:200]
+
+
+@pytest.mark.parametrize("level", LEVELS.values(), ids=LEVELS)
+@pytest.mark.parametrize("argv", [
+    ["keras-mgpu", "doctor"],
+    # Documented (docs/cli.md) as the same command.
+    ["python", "-m", "keras_mgpu.cli", "doctor"],
+], ids=["console-script", "python-m"])
+def test_documented_command_prints_no_tensorflow_log_line(argv, level,
+                                                          tmp_path):
+    bin_dir = os.path.dirname(sys.executable)
+    program = sys.executable if argv[0] == "python" else os.path.join(
+        bin_dir, argv[0])
+    proc = subprocess.run([program, *argv[1:]], cwd=tmp_path,
+                          env=quiet_env(level), capture_output=True,
+                          text=True, timeout=300)
+    # doctor exits 1 on an error finding; both are answers, not crashes.
+    assert proc.returncode in (0, 1), proc.stderr[-4000:]
+    assert "TensorFlow" in proc.stdout, proc.stdout
+    assert_no_tensorflow_log_line(proc.stdout + proc.stderr)
 
 
 def commands():

@@ -83,6 +83,11 @@ class Sinks:
             config.setdefault("dir", (
                 os.environ.get("WANDB_DIR") or os.getcwd()
             ) if is_url(log_dir) else log_dir)
+            # Absolute: wandb-core writes some files (files/output.log)
+            # itself, resolving a relative dir against its own working
+            # directory, and a child process reuses its parent's wandb-core
+            # (WANDB_SERVICE): the files would land under the parent's.
+            config["dir"] = os.path.abspath(config["dir"])
             os.makedirs(config["dir"], exist_ok=True)
             self._wandb_run = wandb.init(**config)
         self._queue = queue.Queue()
