@@ -563,8 +563,8 @@ def _describe(results, what: str, labels, first=()) -> str:
         state = ("stopped by the launcher" if r.stopped
                  else "killed on request" if r.killed else _how(r.returncode))
         parts.append(
-            f"--- worker {r.index} (exit {r.returncode}) stderr tail:"
-            f" [{labels[r.index]}: {state}]\n{_tail(r.stderr)}"
+            f"--- [{labels[r.index]}: {state}] worker {r.index} "
+            f"(exit {r.returncode}) stderr tail:\n{_tail(r.stderr)}"
         )
     return "\n".join(parts)
 
