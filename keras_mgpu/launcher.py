@@ -20,7 +20,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
+from typing import (
+    Any,
+    Callable,
+    Iterable,
+    Mapping,
+    Optional,
+    Sequence,
+    TextIO,
+    Union,
+)
 
 from keras_mgpu._checks import (
     is_flag,
@@ -49,6 +58,10 @@ class WorkerResult:
             `kill_when_printed`, or stopped because the workers killed then
             had exited (a requested kill ends the cluster, as a failure
             does).
+        stopped: Whether the launcher stopped it (SIGKILL) while it still
+            ran, because another worker failed or the cluster timed out:
+            its `returncode` is then the launcher's signal, not a failure
+            of its own.
     """
 
     index: int
@@ -57,14 +70,21 @@ class WorkerResult:
     stdout: str
     stderr: str
     killed: bool = False
+    stopped: bool = False
 
 
 class WorkerError(RuntimeError):
-    """A worker failed or the cluster timed out; the message holds stderr."""
+    """A worker failed or the cluster timed out; the message holds stderr.
 
-    def __init__(self, message: str, results: Sequence[WorkerResult]):
+    `first_failed` holds the indices of the workers whose failure the
+    launcher saw first (empty after a timeout).
+    """
+
+    def __init__(self, message: str, results: Sequence[WorkerResult],
+                 first_failed: Sequence[int] = ()):
         super().__init__(message)
         self.results = list(results)
+        self.first_failed = list(first_failed)
 
 
 def free_ports(n: int) -> list:
@@ -158,14 +178,18 @@ def run_local_workers(
     kill_workers: Optional[Sequence[int]] = None,
     kill_signal: int = signal.SIGKILL,
     check: bool = True,
+    echo: Optional[TextIO] = None,
+    labels: Optional[Sequence[str]] = None,
 ) -> list:
     """Runs `target` as `num_workers` local worker processes and waits.
 
     Every argument is checked before the first worker starts. The workers'
     stdout and stderr go to files, not to the terminal: they come back in
-    the `WorkerResult`s, and the `WorkerError` of a failed run quotes the
-    stderr of the workers that failed. The files are removed before the
-    call returns or raises.
+    the `WorkerResult`s, and the `WorkerError` of a failed run names the
+    worker that failed first and how (exit code or signal), marks the
+    workers the launcher stopped after it, and quotes their stderr. With
+    `echo`, each line is also copied there while the workers run. The
+    files are removed before the call returns or raises.
 
     Args:
         target: A script path (`"train.py"`), a `"module:function"` string, or
@@ -198,6 +222,12 @@ def run_local_workers(
             platform knows.
         check: Defaults to `True`: raise `WorkerError` if a worker that was
             not killed on request exits non-zero.
+        echo: Defaults to `None` (nothing shown while the workers run). A
+            text stream (e.g. `sys.stdout`) that gets each line the workers
+            print, stdout and stderr, as it comes, after the worker's label
+            in brackets (`[worker 1] ...`).
+        labels: Defaults to `None`: `worker <index>`. One name per worker,
+            used by `echo` and in `WorkerError` messages.
 
     Returns:
         One `WorkerResult` per worker, in rank order.
@@ -217,11 +247,13 @@ def run_local_workers(
     to_kill = _check_options(timeout, kill_when_printed, kill_workers,
                              num_workers, kill_signal, check, cwd)
     command = _command(target, _check_kwargs(kwargs), _check_args(args))
+    labels = _check_labels(labels, num_workers)
     # A bad environment fails Popen for one worker after the others started.
     extras = [_check_env(env(i) if callable(env) else env, i, env)
               for i in range(num_workers)]
     addresses = [f"localhost:{p}" for p in free_ports(num_workers)]
     procs, files = [], []
+    echoer = _Echo(echo, files, labels)
     python_path = os.pathsep.join(
         [p for p in sys.path if p] + [os.environ.get("PYTHONPATH", "")]
     )
@@ -247,13 +279,15 @@ def run_local_workers(
                     start_new_session=True,
                 )
             )
-        killed = _wait(procs, files, timeout, kill_when_printed, to_kill,
-                       kill_signal)
-        results = _collect(procs, files, workdir, killed)
+        killed, stopped, first = _wait(
+            procs, files, timeout, kill_when_printed, to_kill, kill_signal,
+            echoer.copy, labels)
+        results = _collect(procs, files, workdir, killed, stopped)
     finally:
         # Whatever happened (a timeout, Ctrl-C, a failed start), no worker
         # outlives the call, and the files go only once no worker writes.
         _kill_all(procs)
+        echoer.copy(final=True)
         for out, err in files:
             out.close()
             err.close()
@@ -261,7 +295,8 @@ def run_local_workers(
     if check:
         failed = [r for r in results if r.returncode != 0 and not r.killed]
         if failed:
-            raise WorkerError(_describe(failed, "failed"), results)
+            raise WorkerError(_describe(failed, "failed", labels, first),
+                              results, first)
     return results
 
 
@@ -336,6 +371,19 @@ def _check_options(timeout, marker, kill_workers, num_workers, kill_signal,
     return to_kill
 
 
+def _check_labels(labels, num_workers: int) -> list:
+    if labels is None:
+        return [f"worker {i}" for i in range(num_workers)]
+    if (isinstance(labels, (str, bytes)) or not isinstance(labels, Sequence)
+            or len(labels) != num_workers
+            or not all(isinstance(label, str) for label in labels)):
+        raise TypeError(
+            f"labels must be a list of {num_workers} strings (one name per "
+            f"worker), got {labels!r}."
+        )
+    return list(labels)
+
+
 def _check_kwargs(kwargs) -> Mapping[str, Any]:
     if kwargs is None:
         return {}
@@ -383,26 +431,30 @@ def _check_env(extra, index: int, env) -> dict:
     return dict(extra)
 
 
-def _wait(procs, files, timeout, marker, to_kill, kill_signal):
+def _wait(procs, files, timeout, marker, to_kill, kill_signal, echo, labels):
+    """Waits for the workers; returns the indices killed on request, those
+    stopped after a failure, and those whose failure was seen first."""
     deadline = time.monotonic() + timeout
     killed = set()
     while True:
+        echo()
         codes = [p.poll() for p in procs]
         if all(c is not None for c in codes):
-            return killed
-        failed = any(c not in (None, 0) for i, c in enumerate(codes)
-                     if i not in killed)
+            return killed, set(), []
+        first = [i for i, c in enumerate(codes)
+                 if c not in (None, 0) and i not in killed]
         # A worker that died, or every one killed on request, leaves the
         # others waiting for it (in a collective, or a tuning chief for its
         # trial) until the timeout: stop them now. The ones a requested kill
         # stops count as killed on request.
         kill_done = bool(killed) and all(codes[i] is not None for i in killed)
-        if failed or kill_done:
+        if first or kill_done:
             time.sleep(2.0)
-            if not failed:
-                killed |= {i for i, p in enumerate(procs) if p.poll() is None}
+            running = {i for i, p in enumerate(procs) if p.poll() is None}
             _kill_all(procs)
-            return killed
+            if first:
+                return killed, running - killed, first
+            return killed | running, set(), []
         if marker is not None and not killed:
             if any(marker in _read(out) for out, _ in files):
                 for i in to_kill:
@@ -410,12 +462,45 @@ def _wait(procs, files, timeout, marker, to_kill, kill_signal):
                         os.killpg(procs[i].pid, kill_signal)
                 killed = set(to_kill)
         if time.monotonic() > deadline:
+            running = {i for i, p in enumerate(procs) if p.poll() is None}
             _kill_all(procs)
-            results = _collect(procs, files, None, killed)
+            results = _collect(procs, files, None, killed, running - killed)
             raise WorkerError(
-                _describe(results, f"timed out after {timeout:.0f}s"), results
+                _describe(results, f"timed out after {timeout:.0f}s", labels),
+                results,
             )
         time.sleep(0.1)
+
+
+class _Echo:
+    """Copies the workers' output files to a stream, line by line, each
+    line after its worker's label."""
+
+    def __init__(self, stream, files, labels):
+        self.stream, self.files, self.labels = stream, files, labels
+        self.offsets, self.partial = {}, {}
+
+    def copy(self, final: bool = False) -> None:
+        if self.stream is None:
+            return
+        for i, pair in enumerate(self.files):
+            for f in pair:
+                with open(f.name, "rb") as again:
+                    again.seek(self.offsets.get(f.name, 0))
+                    data = again.read()
+                self.offsets[f.name] = self.offsets.get(f.name, 0) + len(data)
+                data = self.partial.pop(f.name, b"") + data
+                lines = data.split(b"\n")
+                last = lines.pop()
+                if final and last:
+                    lines.append(last)
+                elif last:
+                    # A line still being written waits for its end.
+                    self.partial[f.name] = last
+                for line in lines:
+                    self.stream.write(f"[{self.labels[i]}] "
+                                      f"{line.decode(errors='replace')}\n")
+        self.stream.flush()
 
 
 def _read(f) -> str:
@@ -438,7 +523,7 @@ def _kill_all(procs) -> None:
             pass
 
 
-def _collect(procs, files, workdir, killed):
+def _collect(procs, files, workdir, killed, stopped=()):
     results = []
     for i, (p, (out, err)) in enumerate(zip(procs, files)):
         result = None
@@ -448,17 +533,38 @@ def _collect(procs, files, workdir, killed):
                 result = json.load(f)
         results.append(
             WorkerResult(i, p.poll(), result, _read(out), _read(err),
-                         i in killed)
+                         i in killed, i in stopped)
         )
     return results
 
 
-def _describe(results, what: str) -> str:
+def _how(returncode) -> str:
+    if returncode is not None and returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"killed by {name} (exit {returncode})"
+    return f"exit code {returncode}"
+
+
+def _describe(results, what: str, labels, first=()) -> str:
     parts = [f"Local cluster {what}."]
-    for r in results:
+    codes = {r.index: r.returncode for r in results}
+    if first:
+        parts.append("First to fail: " + "; ".join(
+            f"{labels[i]}, {_how(codes[i])}" for i in first) + ".")
+    stopped = [labels[r.index] for r in results if r.stopped]
+    if stopped:
+        parts.append(f"Stopped by the launcher (SIGKILL) after that: "
+                     f"{', '.join(stopped)}.")
+    # The first failure's stderr first: it holds the cause.
+    for r in sorted(results, key=lambda r: (r.index not in first, r.index)):
+        state = ("stopped by the launcher" if r.stopped
+                 else "killed on request" if r.killed else _how(r.returncode))
         parts.append(
-            f"--- worker {r.index} (exit {r.returncode}) stderr tail:\n"
-            f"{_tail(r.stderr)}"
+            f"--- [{labels[r.index]}: {state}] worker {r.index} "
+            f"(exit {r.returncode}) stderr tail:\n{_tail(r.stderr)}"
         )
     return "\n".join(parts)
 

@@ -1,6 +1,7 @@
 """KerasTuner on many devices: strategy-aware hypermodels and a trial launcher.
 
-`StrategyAwareHyperModel` wraps a model-building function so that every trial
+`StrategyAwareHyperModel` wraps a model-building function (or a
+`keras_tuner.HyperModel`) so that every trial
 of any KerasTuner tuner (`RandomSearch`, `BayesianOptimization`, `Hyperband`,
 `GridSearch`) trains with a per-replica batch, a learning rate scaled to the
 trial's effective batch, optional gradient accumulation and precision policy
@@ -18,12 +19,15 @@ first use of `keras_mgpu.tuner`, or `from keras_mgpu import tuner`, does.
 
 from __future__ import annotations
 
+import inspect
 import ipaddress
 import math
 import os
 import re
 import signal
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+import sys
+import warnings
+from typing import Any, Callable, Mapping, Optional, Sequence, TextIO, Union
 
 try:
     import keras_tuner
@@ -85,13 +89,31 @@ class StrategyAwareHyperModel(keras_tuner.HyperModel):
     `LearningRateSchedule` (build the schedule from the base rate) by `scale`.
     `scale` is `ratio` (`"linear"`) or `sqrt(ratio)` (`"sqrt"`) with
     `ratio = effective_batch / reference_batch_size`, where
-    `effective_batch = per_replica_batch * replicas * accum_steps`.
+    `effective_batch = per_replica_batch * replicas * accum_steps`. The
+    hyperparameter wins over a fixed rate given to the optimizer: with
+    `SGD(0.5)` in `build_fn` and a tuned `learning_rate`, the trial trains
+    with `learning_rate * scale`, and the hypermodel warns once (a rate
+    left at the optimizer's default is replaced without a warning).
+
+    An existing `keras_tuner.HyperModel` is wrapped as it is: its `build`
+    builds, its `declare_hyperparameters` declares its space, and its `fit`
+    trains, called with the arguments this hypermodel adjusted (the global
+    batch, the re-batched data, the trial's callbacks with the backup).
+
+    To retrain the best trial, build and fit through the hypermodel:
+    `tuner.hypermodel.fit(hp, tuner.hypermodel.build(hp), train, ...)`
+    under the strategy's scope. A plain `model.fit(train)` on the built model
+    trains with the data's own batch and a rate scaled for the trial's.
 
     Per trial it:
 
-    - declares `per_replica_batch_size`, `accum_steps` and `precision` as
-      hyperparameters when given as lists (`hp.Choice`), or reads
-      `per_replica_batch_size` from `hp` when `build_fn` declared it itself;
+    - declares `per_replica_batch_size` (`hp.Fixed` for an int,
+      `hp.Choice` for a list), `accum_steps` and `precision` (`hp.Choice`
+      for lists) in `declare_hyperparameters`, so they are in the search
+      space before the first trial, or reads `per_replica_batch_size` from
+      `hp` when `build_fn` declared it itself; a per-replica batch taken
+      from `search` or the data is not a hyperparameter (it is recorded as
+      the `effective/per_replica_batch_size` metric);
     - builds under the tuner's `distribution_strategy` (KerasTuner enters its
       scope) with the precision policy set, and wraps the model in
       `keras_mgpu.GradientAccumulationModel` when `accum_steps > 1` (the
@@ -102,9 +124,7 @@ class StrategyAwareHyperModel(keras_tuner.HyperModel):
       `tf.data` input (batched, any batch size) is re-batched with
       `keras_mgpu.data.rebatch` (every sample kept, `ceil(samples / global)`
       steps per epoch), numpy input gets `batch_size=global`; a `batch_size`
-      passed to `search` is per replica; a per-replica batch found there
-      (not given by the constructor or `build_fn`) is declared as the
-      trial's `per_replica_batch_size` hyperparameter;
+      passed to `search` is per replica;
     - scales the learning rate in `build` for the strategy in scope, so a
       model rebuilt for a finished trial (`get_best_models()`) is compiled
       with the rate its trial trained with;
@@ -118,18 +138,21 @@ class StrategyAwareHyperModel(keras_tuner.HyperModel):
     - adds the `EFFECTIVE_KEYS` metrics to the trial (constant per epoch).
 
     Args:
-        build_fn: `build_fn(hp) -> compiled keras.Model`.
+        build_fn: `build_fn(hp) -> compiled keras.Model`, or a
+            `keras_tuner.HyperModel` whose `build` returns one.
         per_replica_batch_size: Defaults to `None`: the `per_replica_batch_size`
-            hyperparameter if `build_fn` declares it (or an earlier trial
-            recorded it), else the `batch_size` given to `search`, else the
-            batch size of the `tf.data` input (static or not) divided over
-            the replicas, else 32. An int fixes it; a list or tuple tunes it
-            as `hp.Choice("per_replica_batch_size")`.
+            hyperparameter if `build_fn` declares it, else the `batch_size`
+            given to `search`, else the batch size of the `tf.data` input
+            (static or not) divided over the replicas, else 32. An int fixes
+            it (`hp.Fixed("per_replica_batch_size")`); a list or tuple tunes
+            it as `hp.Choice("per_replica_batch_size")`.
         lr_scaling: Defaults to `"linear"`. One of `"linear"`, `"sqrt"` or
             `None` (leave the learning rate as `build_fn` set it).
         reference_batch_size: Defaults to `None`: the per-replica batch, so
             `ratio = replicas * accum_steps` and the base rate is the rate
-            for one device. An int: the batch the base rate was tuned for.
+            for one device. An int: the batch the base rate was tuned for;
+            then `build` must know the per-replica batch (given here, or
+            declared by `build_fn`).
         learning_rate_hp: Defaults to `"learning_rate"`. Name of the base
             learning-rate hyperparameter.
         accum_steps: Defaults to `None` (no wrapping; a
@@ -145,7 +168,8 @@ class StrategyAwareHyperModel(keras_tuner.HyperModel):
             `per_replica_batch_size * replicas`.
         backup: Defaults to `"epoch"`. Per-trial backup frequency:
             `"epoch"`, a number of batches, or `False` for none.
-        **kwargs: Passed to `keras_tuner.HyperModel` (`name`, `tunable`).
+        **kwargs: Passed to `keras_tuner.HyperModel` (`name`, `tunable`);
+            `name` defaults to a wrapped `HyperModel`'s.
 
     Example:
 
@@ -182,11 +206,24 @@ class StrategyAwareHyperModel(keras_tuner.HyperModel):
         backup: Union[bool, str, int] = "epoch",
         **kwargs,
     ):
+        wrapped = None
+        if isinstance(build_fn, StrategyAwareHyperModel):
+            raise TypeError(
+                f"build_fn is already a StrategyAwareHyperModel "
+                f"({build_fn!r}): wrapping it again would scale the batch and "
+                "learning rate twice. Pass it to the tuner as it is."
+            )
+        if isinstance(build_fn, keras_tuner.HyperModel):
+            wrapped = build_fn
+            kwargs.setdefault("name", wrapped.name)
+            # Its `build` attribute is KerasTuner's wrapper, which honours
+            # the wrapped hypermodel's own `tunable`.
+            build_fn = wrapped.build
         super().__init__(**kwargs)
         if not callable(build_fn):
             raise TypeError(
-                f"build_fn must be a function hp -> compiled keras.Model, got "
-                f"{build_fn!r}."
+                f"build_fn must be a function hp -> compiled keras.Model or a "
+                f"keras_tuner.HyperModel, got {build_fn!r}."
             )
         if lr_scaling not in LR_SCALING_RULES:
             raise ValueError(
@@ -216,6 +253,7 @@ class StrategyAwareHyperModel(keras_tuner.HyperModel):
         if backup is not False and backup != "epoch":
             backup = _positive_int("backup", backup)
         self.build_fn = build_fn
+        self.wrapped = wrapped
         self.per_replica_batch_size = per_replica_batch_size
         self.lr_scaling = lr_scaling
         self.reference_batch_size = reference_batch_size
@@ -225,6 +263,7 @@ class StrategyAwareHyperModel(keras_tuner.HyperModel):
         self.rebatch = bool(rebatch)
         self.backup = backup
         self._executions = {}
+        self._warned_rate = False
         # Every process of a search builds its hypermodel, the chief too.
         compat.enable_tuner_state_fix()
         if backup is not False:
@@ -236,16 +275,38 @@ class StrategyAwareHyperModel(keras_tuner.HyperModel):
 
     # --- hyperparameters ----------------------------------------------------
 
-    def _declared(self, hp, name, value, default=None):
+    def declare_hyperparameters(self, hp) -> None:
+        """Declares the wrapped `HyperModel`'s space and this hypermodel's
+        own hyperparameters, before the first trial.
+
+        KerasTuner calls it when the tuner is created, so
+        `per_replica_batch_size` (when given to the constructor),
+        `accum_steps` and `precision` (when tuned) are in the search space
+        from the first trial on, and the space does not change during the
+        search.
+        """
+        if self.wrapped is not None:
+            self.wrapped.declare_hyperparameters(hp)
+        self._per_replica_batch(hp)
+        self._accum_steps(hp)
+        self._precision(hp)
+
+    def _declared(self, hp, name, value):
         """A constructor value, or its `hp.Choice` when given as a list."""
         if isinstance(value, (list, tuple)):
             return hp.Choice(name, list(value))
-        return default if value is None else value
+        return value
 
     def _accum_steps(self, hp) -> Optional[int]:
         return self._declared(hp, ACCUM_STEPS_HP, self.accum_steps)
 
+    def _precision(self, hp) -> Optional[str]:
+        return self._declared(hp, PRECISION_HP, self.precision)
+
     def _per_replica_batch(self, hp) -> Optional[int]:
+        if isinstance(self.per_replica_batch_size, int):
+            # Fixed, so every trial's hyperparameters show it.
+            return hp.Fixed(PER_REPLICA_BATCH_HP, self.per_replica_batch_size)
         value = self._declared(
             hp, PER_REPLICA_BATCH_HP, self.per_replica_batch_size
         )
@@ -263,9 +324,9 @@ class StrategyAwareHyperModel(keras_tuner.HyperModel):
         model rebuilt for a finished trial, as `get_best_models()` does, is
         compiled with the rate the trial trained with on this strategy.
         """
-        self._per_replica_batch(hp)  # Declared first: stable search space.
+        per_replica = self._per_replica_batch(hp)  # First: a stable space.
         accum_steps = self._accum_steps(hp)
-        policy = self._declared(hp, PRECISION_HP, self.precision)
+        policy = self._precision(hp)
         previous = keras.mixed_precision.global_policy()
         if policy is not None:
             keras.mixed_precision.set_global_policy(policy)
@@ -287,11 +348,42 @@ class StrategyAwareHyperModel(keras_tuner.HyperModel):
                     "sampling='log') and pass it to the optimizer, or pass "
                     "learning_rate_hp='<your hp name>', or lr_scaling=None."
                 )
-            # Unknown only with a reference batch and a per-replica batch
-            # that comes from the data: then `fit` scales.
-            scale = self._lr_scale(model, self._per_replica_batch(hp))
-            _set_learning_rate(model, hp.get(self.learning_rate_hp), scale)
+            scale = self._lr_scale(model, per_replica)
+            if scale is None:
+                raise keras_tuner.errors.FatalValueError(
+                    f"reference_batch_size={self.reference_batch_size} makes "
+                    "the learning rate depend on the per-replica batch, which "
+                    "build must know, so that a model rebuilt for a trial "
+                    "(get_best_models, hypermodel.build) gets the rate the "
+                    "trial trained with; here it would come from search() or "
+                    "the data. Pass per_replica_batch_size=<int, or a list to "
+                    "tune> to StrategyAwareHyperModel, or declare "
+                    f"hp.Choice({PER_REPLICA_BATCH_HP!r}, [...]) in build_fn, "
+                    "or leave reference_batch_size=None."
+                )
+            base = hp.get(self.learning_rate_hp)
+            self._warn_if_rate_overwritten(model, base, scale)
+            _set_learning_rate(model, base, scale)
         return model
+
+    def _warn_if_rate_overwritten(self, model, base, scale: float) -> None:
+        if self._warned_rate:
+            return
+        fixed = _overwritten_rate(model, base)
+        if fixed is None:
+            return
+        self._warned_rate = True
+        warnings.warn(
+            f"build_fn compiled the optimizer with learning_rate={fixed:g}, "
+            f"but the hypermodel sets it from the {self.learning_rate_hp!r} "
+            f"hyperparameter: {base:g} x scale {scale:g} = "
+            f"{base * scale:g} is used and {fixed:g} is not. Give the "
+            f"optimizer the hyperparameter (e.g. keras.optimizers.SGD("
+            f"hp.Float({self.learning_rate_hp!r}, ...))), or pass "
+            "lr_scaling=None to keep the rate build_fn sets. (Warned once.)",
+            UserWarning,
+            stacklevel=2,
+        )
 
     def _lr_scale(self, model, per_replica: Optional[int]) -> Optional[float]:
         replicas = strategy_lib.num_replicas(model.distribute_strategy)
@@ -327,14 +419,9 @@ class StrategyAwareHyperModel(keras_tuner.HyperModel):
     def fit(self, hp, model, *args, **kwargs):
         """Trains one trial: global batch, scaled LR, per-trial backup.
 
-        A per-replica batch that neither the constructor nor `build_fn`
-        gives (it comes from `search`'s `batch_size`, the data, or the
-        default) is declared as the trial's `per_replica_batch_size`
-        hyperparameter (`hp.Fixed`), as KerasTuner lets `HyperModel.fit`
-        declare hyperparameters: the trial records it, rebuilding the trial
-        knows it, and later trials of the project use it. (Not where the
-        oracle refuses new entries, `allow_new_entries=False`: declare it in
-        the tuner's `hyperparameters` then.)
+        Then calls the wrapped `HyperModel`'s `fit` (or `model.fit`) with
+        the adjusted arguments. Also the way to retrain a trial outside the
+        search: `hypermodel.fit(hp, hypermodel.build(hp), train, ...)`.
 
         Args:
             hp: The trial's `HyperParameters`.
@@ -344,7 +431,9 @@ class StrategyAwareHyperModel(keras_tuner.HyperModel):
                 replica.
 
         Returns:
-            The `History` of `model.fit`, with the `EFFECTIVE_KEYS` added.
+            What the wrapped `fit` returned (by default the `History` of
+            `model.fit`), with the `EFFECTIVE_KEYS` added to a `History` or a
+            dict of metrics (a float is returned as it is).
         """
         args = list(args)
         x = args[0] if args else kwargs.get("x")
@@ -358,11 +447,9 @@ class StrategyAwareHyperModel(keras_tuner.HyperModel):
             raise keras_tuner.errors.FatalValueError(
                 f"search(batch_size={user_batch}) conflicts with the trial's "
                 f"per-replica batch size {declared} (the "
-                f"{PER_REPLICA_BATCH_HP!r} hyperparameter: given to "
-                "StrategyAwareHyperModel, declared by build_fn, or recorded "
-                "by this project's earlier trials). Pass one of them: "
-                "batch_size to search() is per replica; or start a new "
-                "project (overwrite=True) to change it."
+                f"{PER_REPLICA_BATCH_HP!r} hyperparameter, given to "
+                "StrategyAwareHyperModel or declared by build_fn). Pass one "
+                "of them: batch_size to search() is per replica."
             )
         replicas = strategy_lib.num_replicas(model.distribute_strategy)
         per_replica = declared if declared is not None else user_batch
@@ -378,10 +465,6 @@ class StrategyAwareHyperModel(keras_tuner.HyperModel):
         found = compat.tuner_and_trial(callbacks)
         if self.backup is not False:
             compat.check_save_best_epoch(callbacks)
-        if declared is None and (
-            found is None or found[0].oracle.allow_new_entries
-        ):
-            hp.Fixed(PER_REPLICA_BATCH_HP, per_replica)
         info = self._effective(model, per_replica)
         global_batch = info["effective/global_batch_size"]
         info["effective/learning_rate"] = self._apply_learning_rate(
@@ -413,11 +496,18 @@ class StrategyAwareHyperModel(keras_tuner.HyperModel):
             # Last, as Keras places its own History: every callback has
             # added to an epoch's logs before it records them.
             callbacks.append(_TrialHistory())
-        history = model.fit(*args, callbacks=callbacks, **kwargs)
-        epochs = len(history.epoch)
-        for key in EFFECTIVE_KEYS:
-            history.history[key] = [float(info[key])] * epochs
-        return history
+        if self.wrapped is not None:
+            results = self.wrapped.fit(hp, model, *args, callbacks=callbacks,
+                                       **kwargs)
+        else:
+            results = model.fit(*args, callbacks=callbacks, **kwargs)
+        if isinstance(results, keras.callbacks.History):
+            epochs = len(results.epoch)
+            for key in EFFECTIVE_KEYS:
+                results.history[key] = [float(info[key])] * epochs
+        elif isinstance(results, dict):
+            results = {**results, **{k: float(info[k]) for k in EFFECTIVE_KEYS}}
+        return results
 
     def _apply_learning_rate(self, hp, model, scale: float) -> Optional[float]:
         # The optimizer's variables are the strategy's (mirrored) variables.
@@ -479,6 +569,17 @@ def _check_compiled(model):
             "trains it with fit, and the hypermodel scales its optimizer's "
             "learning rate."
         )
+    if not isinstance(model.optimizer, keras.optimizers.Optimizer):
+        # Checked before any optimizer attribute is read: anything else
+        # would fail later as a missing Keras internal.
+        raise keras_tuner.errors.FatalTypeError(
+            f"build_fn returned a model whose optimizer is "
+            f"{model.optimizer!r} (a {type(model.optimizer).__name__}), but "
+            "StrategyAwareHyperModel needs a keras.optimizers.Optimizer (any "
+            "lr_scaling). Compile the model with one, e.g. "
+            "model.compile(keras.optimizers.Adam(hp.Float('learning_rate', "
+            "1e-4, 1e-2, sampling='log')), loss)."
+        )
     return model
 
 
@@ -505,6 +606,26 @@ def _set_learning_rate(model, base, scale: Optional[float]) -> None:
         inner.learning_rate = ScaledSchedule(current, scale)
     else:
         inner.learning_rate = float(base) * float(scale)
+
+
+def _overwritten_rate(model, base) -> Optional[float]:
+    """The fixed rate `build_fn` gave the optimizer, when scaling replaces it
+    with a different one; None for the hyperparameter's value, the
+    optimizer's default rate, or a schedule (which is scaled, not
+    replaced)."""
+    inner = getattr(model.optimizer, "inner_optimizer", model.optimizer)
+    if (compat.learning_rate_schedule(inner) is not None
+            or compat.learning_rate_callable(inner) is not None):
+        return None
+    fixed = float(keras.ops.convert_to_numpy(inner.learning_rate))
+    parameter = inspect.signature(type(inner).__init__).parameters.get(
+        "learning_rate")
+    default = None if parameter is None else parameter.default
+    for expected in (base, default):
+        if isinstance(expected, (int, float)) and math.isclose(
+                fixed, float(expected), rel_tol=1e-6):
+            return None
+    return fixed
 
 
 def _current_learning_rate(model) -> Optional[float]:
@@ -762,6 +883,7 @@ def launch(
     cwd: Optional[str] = None,
     kill_when_printed: Optional[str] = None,
     kill_workers: Optional[Sequence[int]] = None,
+    echo: Union[bool, TextIO] = True,
 ) -> list:
     """Runs a tuning program as a chief plus one worker per device group.
 
@@ -773,7 +895,11 @@ def launch(
     in it mirrors over that group: with 8 GPUs, `devices_per_trial=2` runs 4
     trials of 2 GPUs at a time, `devices_per_trial=1` runs 8 of 1. Waits with
     a timeout and kills every process on any failure
-    (`keras_mgpu.launcher.run_local_workers`).
+    (`keras_mgpu.launcher.run_local_workers`): the `WorkerError` names the
+    process that failed first and how (exit code or signal), and marks the
+    others as stopped by the launcher (`WorkerResult.stopped`). Each line a
+    process prints is shown as it comes, after its tuner id
+    (`[chief] ...`, `[tuner0] ...`).
 
     Args:
         target: A script path, a `"module:function"` string or a
@@ -790,6 +916,10 @@ def launch(
         kill_when_printed: Defaults to `None`. See `run_local_workers`.
         kill_workers: Defaults to `None`. Process indices to kill (0 is the
             chief).
+        echo: Defaults to `True`: the processes' output goes to
+            `sys.stdout` as it comes, each line after its tuner id. `False`
+            shows nothing (the output is in the results); a text stream gets
+            the lines instead.
 
     Returns:
         One `keras_mgpu.launcher.WorkerResult` per process, chief first.
@@ -804,9 +934,19 @@ def launch(
     envs = plan_workers(devices, devices_per_trial, num_workers,
                         oracle_port=port)
     extra = dict(env or {})
+    if echo is True:
+        echo = sys.stdout
+    elif echo is False:
+        echo = None
+    elif not callable(getattr(echo, "write", None)):
+        raise TypeError(
+            f"echo must be True, False or a text stream (with write), got "
+            f"{echo!r}."
+        )
     return launcher.run_local_workers(
         target, len(envs), kwargs=kwargs, args=args, timeout=timeout,
         env=lambda i: {**extra, **envs[i]}, cwd=cwd,
         kill_when_printed=kill_when_printed, kill_workers=kill_workers,
-        kill_signal=signal.SIGKILL,
+        kill_signal=signal.SIGKILL, echo=echo,
+        labels=[e["KERASTUNER_TUNER_ID"] for e in envs],
     )

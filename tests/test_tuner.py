@@ -6,7 +6,9 @@ import hashlib
 import importlib
 import math
 import os
+import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -22,6 +24,7 @@ import tensorflow as tf
 
 from keras_mgpu import GradientAccumulationModel
 from keras_mgpu import compat
+from keras_mgpu import launcher
 from keras_mgpu import tuner as mgpu_tuner
 from tests import tuner_workers
 from tests.conftest import mirrored
@@ -313,7 +316,8 @@ def test_every_tuner_steps_exactly_and_best_model_keeps_the_trained_rate(
     for record in log:
         hp = completed[record["trial"]].hyperparameters
         accum = hp.get("accum_steps")
-        assert hp.get("per_replica_batch_size") == 4
+        assert _metric(completed[record["trial"]],
+                       "effective/per_replica_batch_size") == 4
         assert record["epochs"] >= 1
         assert record["steps"] == record["epochs"] * 8 // accum, record
         # Linear scaling: 2 replicas x accum_steps.
@@ -354,11 +358,11 @@ def test_best_model_is_compiled_with_the_rate_its_trial_trained_with(
         model.compile(OPTIMIZERS[name](hp), "mse")
         return model
 
-    # The reference batch makes the scale depend on the per-replica batch,
-    # which comes from the data here: (8 per replica x 2) / 4 = 4.
+    # The reference batch makes the scale depend on the per-replica batch:
+    # (8 per replica x 2) / 4 = 4.
     log = []
     hypermodel = recording(
-        build, log, reference_batch_size=4,
+        build, log, reference_batch_size=4, per_replica_batch_size=8,
         precision="mixed_float16" if "mixed" in name else None)
     tuner = keras_tuner.RandomSearch(
         hypermodel, objective="loss", max_trials=1, seed=3,
@@ -413,7 +417,8 @@ def test_default_per_replica_batch_reads_any_batched_dataset(tmp_path,
     trial = _trials(tuner)[0]
     assert trial.status == "COMPLETED", trial.message
     assert _metric(trial, "effective/per_replica_batch_size") == 8
-    assert trial.hyperparameters.get("per_replica_batch_size") == 8
+    # Found in the data, so not a hyperparameter.
+    assert "per_replica_batch_size" not in trial.hyperparameters
     assert log[0]["steps"] == 3 * -(-samples // 16)
 
 
@@ -823,3 +828,201 @@ def test_parallel_reruns_after_a_kill_and_a_finish_redo_no_trial(tmp_path):
     assert chief["end_order"] == ["0", "1", "2"]
     assert chief["saved_ongoing"] == {}
     assert _checkpoints(os.path.join(tmp_path, "parallel")) == trials
+
+
+# --- wrapping a HyperModel, the search space, the learning rate (#33) -------------
+
+
+class UserHyperModel(keras_tuner.HyperModel):
+    """A user's own HyperModel: its space is declared up front, and its
+    `fit` changes the epochs and adds a callback."""
+
+    def __init__(self, log, **kwargs):
+        super().__init__(**kwargs)
+        self.log = log
+
+    def declare_hyperparameters(self, hp):
+        hp.Choice("units", [4, 8])
+
+    def build(self, hp):
+        model = keras.Sequential([
+            keras.Input((tuner_workers.FEATURES,)),
+            keras.layers.Dense(hp.get("units"), activation="tanh"),
+            keras.layers.Dense(1)])
+        model.compile(keras.optimizers.SGD(
+            hp.Float("learning_rate", 1e-3, 1e-2, sampling="log")), "mse")
+        return model
+
+    def fit(self, hp, model, *args, callbacks=None, epochs=1, **kwargs):
+        record = {"batch_size": kwargs.get("batch_size"), "epochs": epochs,
+                  "callbacks": [type(c).__name__ for c in callbacks]}
+        self.log.append(record)
+        seen = keras.callbacks.LambdaCallback(
+            on_epoch_end=lambda epoch, logs: record.__setitem__(
+                "trained", epoch + 1))
+        return model.fit(*args, callbacks=callbacks + [seen], epochs=2,
+                         **kwargs)
+
+
+def test_a_keras_tuner_hypermodel_is_wrapped_with_its_fit_and_space(
+        tmp_path):
+    log = []
+    hypermodel = mgpu_tuner.StrategyAwareHyperModel(
+        UserHyperModel(log, name="user"), per_replica_batch_size=4)
+    assert hypermodel.name == "user"
+    tuner = keras_tuner.RandomSearch(
+        hypermodel, objective="loss", max_trials=1, seed=2,
+        directory=str(tmp_path), distribution_strategy=mirrored(2))
+    # Its declared space, before any trial.
+    assert {"units", "learning_rate"} <= {
+        hp.name for hp in tuner.oracle.get_space().space}
+    x, y = tuner_workers.data(32)
+    tuner.search(x, y, epochs=1, verbose=0)
+    trials = _trials(tuner)
+    assert [t.status for t in trials] == ["COMPLETED"]
+    for trial, record in zip(trials, log):
+        # Its fit got the global batch and the trial's backup, and its own
+        # epochs won.
+        assert record["batch_size"] == 8
+        assert "BackupAndRestore" in record["callbacks"]
+        assert record["trained"] == 2
+        assert _metric(trial, "effective/learning_rate") == pytest.approx(
+            2 * trial.hyperparameters.get("learning_rate"), rel=1e-6)
+    # docs/tuning.md's retraining recipe goes through the same fit.
+    best_hp = tuner.get_best_hyperparameters(1)[0]
+    with mirrored(2).scope():
+        model = tuner.hypermodel.build(best_hp)
+    history = tuner.hypermodel.fit(best_hp, model, x, y, verbose=0)
+    assert log[-1]["batch_size"] == 8 and log[-1]["trained"] == 2
+    assert history.history["effective/learning_rate"][0] == pytest.approx(
+        2 * best_hp.get("learning_rate"), rel=1e-6)
+
+
+@pytest.mark.parametrize("lr_scaling", ["linear", None])
+def test_a_non_keras_optimizer_is_named_with_what_is_expected(
+        tmp_path, lr_scaling):
+    def build(hp):
+        model = tuner_workers.build_model(hp)
+        model.optimizer = True  # Not a Keras optimizer.
+        return model
+
+    with pytest.raises(TypeError, match=r"optimizer is True \(a bool\).*"
+                                        r"needs a keras\.optimizers\.Optimizer"):
+        tuner = keras_tuner.RandomSearch(
+            mgpu_tuner.StrategyAwareHyperModel(build, lr_scaling=lr_scaling),
+            objective="loss", max_trials=1, directory=str(tmp_path))
+        x, y = tuner_workers.data(16)
+        tuner.search(x, y, epochs=1, verbose=0)
+
+
+@pytest.mark.parametrize("optimizer, warned", [
+    (lambda lr: keras.optimizers.SGD(0.5), True),
+    (lambda lr: keras.optimizers.SGD(lr), False),
+    (lambda lr: keras.optimizers.SGD(), False),    # the default: left to hp
+])
+def test_a_fixed_rate_replaced_by_the_tuned_one_warns_once(
+        tmp_path, optimizer, warned):
+    def build(hp):
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        lr = hp.Float("learning_rate", 1e-3, 1e-2, sampling="log")
+        model.compile(optimizer(lr), "mse")
+        return model
+
+    with warnings_recorded() as caught:
+        tuner = keras_tuner.RandomSearch(
+            mgpu_tuner.StrategyAwareHyperModel(build, per_replica_batch_size=4),
+            objective="loss", max_trials=2, seed=1, directory=str(tmp_path),
+            distribution_strategy=mirrored(2))
+        tuner.search(np.ones((8, 4)), np.ones((8, 1)), epochs=1, verbose=0)
+    messages = [str(w.message) for w in caught
+                if "the hypermodel sets it" in str(w.message)]
+    assert len(messages) == (1 if warned else 0), messages
+    if warned:
+        assert re.search(r"learning_rate=0\.5, .*'learning_rate' "
+                         r"hyperparameter: .* x scale \d = .* 0\.5 is not",
+                         messages[0])
+    trial = _trials(tuner)[-1]
+    assert _metric(trial, "effective/learning_rate") == pytest.approx(
+        2 * trial.hyperparameters.get("learning_rate"), rel=1e-6)
+
+
+@contextlib.contextmanager
+def warnings_recorded():
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield caught
+
+
+@pytest.mark.parametrize("per_replica", [8, [4, 8], None])
+def test_the_search_space_is_complete_before_the_first_trial(
+        tmp_path, per_replica):
+    shown = []
+
+    class Showing(keras_tuner.RandomSearch):
+        def on_trial_begin(self, trial):
+            # What KerasTuner's display prints for the trial.
+            shown.append(dict(trial.hyperparameters.values))
+            super().on_trial_begin(trial)
+
+    tuner = Showing(
+        mgpu_tuner.StrategyAwareHyperModel(
+            tuner_workers.build_model, per_replica_batch_size=per_replica),
+        objective="loss", max_trials=2, seed=1, directory=str(tmp_path),
+        distribution_strategy=mirrored(2))
+    before = [hp.name for hp in tuner.oracle.get_space().space]
+    x, y = tuner_workers.data(32)
+    tuner.search(x, y, epochs=1, verbose=0,
+                 **({"batch_size": 8} if per_replica is None else {}))
+    # KerasTuner's own test_reparameterized_space / test_update_space
+    # pattern: the search does not change the space.
+    assert [hp.name for hp in tuner.oracle.get_space().space] == before
+    if per_replica is None:
+        # From search(batch_size=...): recorded, not a hyperparameter.
+        assert "per_replica_batch_size" not in before
+        assert all("per_replica_batch_size" not in s for s in shown)
+        assert _metric(_trials(tuner)[0],
+                       "effective/per_replica_batch_size") == 8
+    else:
+        assert before[0] == "per_replica_batch_size"
+        assert all(s["per_replica_batch_size"] in (4, 8) for s in shown)
+
+
+def test_a_reference_batch_needs_the_per_replica_batch_at_build(tmp_path):
+    with pytest.raises(ValueError, match=r"reference_batch_size=4 .*"
+                                         r"per_replica_batch_size=<int"):
+        keras_tuner.RandomSearch(
+            mgpu_tuner.StrategyAwareHyperModel(tuner_workers.build_model,
+                                               reference_batch_size=4),
+            objective="loss", max_trials=1, directory=str(tmp_path))
+
+
+def test_a_failed_launch_names_the_first_to_die_and_streams_live(tmp_path):
+    lines = []
+
+    class Stream:
+        def write(self, text):
+            lines.extend(text.splitlines())
+            if "[chief] chief up" in text:
+                # Seen while every process runs: the victim may die now.
+                open(os.path.join(tmp_path, "go"), "w").close()
+
+        def flush(self):
+            pass
+
+    with pytest.raises(launcher.WorkerError) as info:
+        mgpu_tuner.launch(tuner_workers.die_first, devices=[], num_workers=2,
+                          kwargs={"directory": str(tmp_path)}, timeout=180,
+                          echo=Stream())
+    error = info.value
+    assert error.first_failed == [2]
+    assert [(r.returncode, r.stopped) for r in error.results] == [
+        (-signal.SIGKILL, True), (-signal.SIGKILL, True),
+        (-signal.SIGKILL, False)]
+    message = str(error)
+    assert "First to fail: tuner1, killed by SIGKILL (exit -9)." in message
+    assert ("Stopped by the launcher (SIGKILL) after that: chief, tuner0."
+            in message)
+    assert {"[chief] chief up", "[tuner0] tuner0 up", "[tuner1] tuner1 up",
+            "[tuner1] dying"} <= set(lines)

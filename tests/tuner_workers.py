@@ -199,3 +199,27 @@ def parallel_search(directory, max_trials=4, rendezvous=None,
             for t in tuner.oracle.trials.values()
         }
     return result
+
+
+def die_first(directory, victim="tuner1", timeout=120):
+    """Worker entry point for a launch failure: every process says it is up;
+    `victim` then waits for `<directory>/go` (written by the test when it
+    sees the chief's line, so only with live output) and kills itself with
+    SIGKILL, while the others hold until the launcher stops them."""
+    import signal
+    import time
+
+    from tests import workers
+
+    tuner_id = os.environ["KERASTUNER_TUNER_ID"]
+    print(f"{tuner_id} up", flush=True)
+    if tuner_id == victim:
+        go = os.path.join(directory, "go")
+        deadline = time.monotonic() + timeout
+        while not os.path.exists(go):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{go} never appeared: no live output")
+            time.sleep(0.05)
+        print("dying", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    workers.hold_until_killed()
