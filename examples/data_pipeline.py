@@ -25,7 +25,7 @@ from keras_mgpu import data  # noqa: E402
 from keras_mgpu.callbacks import DistributedLogger, input_wait_summary  # noqa: E402
 
 args = parse_args(__doc__.splitlines()[0])
-root = workdir(args.workdir, "data")
+root = workdir(args.workdir, "data_pipeline")
 (x, y), _ = digits()
 data.write_tfrecords((x, y), f"{root}/train", num_shards=4)
 pattern = f"{root}/train/*.tfrecord"

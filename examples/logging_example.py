@@ -21,7 +21,7 @@ import keras  # noqa: E402
 from keras_mgpu.callbacks import DistributedLogger  # noqa: E402
 
 args = parse_args(__doc__.splitlines()[0])
-log_dir = f"{workdir(args.workdir, 'logging')}/logs"
+log_dir = f"{workdir(args.workdir, 'logging_example')}/logs"
 (x, y), (x_test, y_test) = digits()
 with strategy.scope():
     model = keras.Sequential([
