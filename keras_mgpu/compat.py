@@ -68,7 +68,7 @@ def _parse(version: str) -> Version:
 
 # What the suite has been run on (docs/compatibility.md, noxfile.py): the
 # oldest pair's Keras, the newest release, and the newest keras-nightly the
-# `nightly` session passed on.
+# noxfile's `nightly` environment passed on.
 TESTED_KERAS = VersionRange("3.10.0", "3.15.1",
                             nightlies=("3.16.0.dev2026102704",))
 
