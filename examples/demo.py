@@ -98,9 +98,16 @@ def run(workdir: str, log_dir: str, epochs: int, trials: int) -> dict:
             objective="val_accuracy", max_trials=trials, seed=0,
             directory=workdir, project_name="tuning", overwrite=False,
             distribution_strategy=strategy)
-        say(f"Tuning the hidden width and learning rate: {trials} short "
-            "trial(s), batch and learning rate scaled to "
-            f"{strategy.num_replicas_in_sync} replica(s)...")
+        done = sum(t.status == "COMPLETED"
+                   for t in tuner.oracle.trials.values())
+        if done >= trials:
+            say(f"Tuning done before: {done} trial(s) reloaded from "
+                f"{workdir}/tuning.")
+        else:
+            say(f"Tuning the hidden width and learning rate: {trials} short "
+                "trial(s)" + (f" ({done} done before)" if done else "")
+                + ", batch and learning rate scaled to "
+                f"{strategy.num_replicas_in_sync} replica(s)...")
         # Arrays: the hypermodel gives fit the trial's global batch.
         tuner.search(x, y, validation_data=(x_test, y_test), epochs=2,
                      verbose=0)
@@ -273,13 +280,13 @@ def main() -> None:
 
         print(f"Training {args.epochs} epochs on {args.workers} worker "
               "processes (MultiWorkerMirroredStrategy; no tuning: the demo "
-              "tunes in one process). Their output shows when they finish, "
-              "in a minute or more...", flush=True)
-        results = run_local_workers("demo:run", args.workers, kwargs=kwargs,
-                                    timeout=1800, cwd=HERE)
-        chief = next(r for r in results if r.result["chief"])
-        print(chief.stdout, end="", flush=True)
-        result = chief.result
+              "tunes in one process). Starting them takes a while; each "
+              "line they print comes after its worker's name.", flush=True)
+        results = run_local_workers(
+            "demo:run", args.workers, kwargs=kwargs, timeout=1800, cwd=HERE,
+            echo=sys.stdout,
+            labels=[f"worker {i}" for i in range(args.workers)])
+        result = next(r for r in results if r.result["chief"]).result
     else:
         try:
             result = run(**kwargs)

@@ -99,8 +99,6 @@ def run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     to_stdout = args.json == "-"
     log = (lambda *a, **k: print(*a, file=sys.stderr, **k)) if to_stdout \
         else print
-    if not gpus:
-        log(f"NOTE: {_bench.CPU_NOTE}")
     settings = {
         "model": args.model, "replicas": args.replicas,
         "precisions": args.precision, "accum": args.accum,

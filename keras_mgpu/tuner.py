@@ -215,7 +215,8 @@ class StrategyAwareHyperModel(keras_tuner.HyperModel):
             )
         if isinstance(build_fn, keras_tuner.HyperModel):
             wrapped = build_fn
-            kwargs.setdefault("name", wrapped.name)
+            # A subclass that skips `HyperModel.__init__` has no name.
+            kwargs.setdefault("name", getattr(wrapped, "name", None))
             # Its `build` attribute is KerasTuner's wrapper, which honours
             # the wrapped hypermodel's own `tunable`.
             build_fn = wrapped.build

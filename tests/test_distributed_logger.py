@@ -865,6 +865,31 @@ def test_an_epoch_resumed_inside_reports_the_batches_it_trained(tmp_path,
                      r"5 batches trained here\): loss ", out, re.M), out
 
 
+@pytest.mark.parametrize("steps_per_execution", [1, 3])
+def test_an_epoch_of_unknown_length_counts_the_batches_it_trained(
+        tmp_path, steps_per_execution):
+    """Data of unknown length (filtered): 7 batches an epoch, and one more
+    call that finds the end of the data and trains none. Windows of 3 and
+    the epoch count the 7, as on data of known length."""
+    x, y = workers.regression_data(100)
+    dataset = (tf.data.Dataset.from_tensor_slices((x, y))
+               .filter(lambda *_: True).batch(16))
+    assert dataset.cardinality() == tf.data.UNKNOWN_CARDINALITY
+    with mirrored(1).scope():
+        model = workers.build_mlp()
+        model.compile(keras.optimizers.Adam(0.01), "mse",
+                      steps_per_execution=steps_per_execution)
+    log_dir = str(tmp_path / "run")
+    model.fit(dataset, epochs=2, verbose=0, shuffle=False, callbacks=[
+        DistributedLogger(log_dir, update_freq=3, console=False)])
+    records = read_jsonl(log_dir)
+    assert [(r["kind"], r["steps"], r["examples"]) for r in records] == [
+        ("window", 3, 48.0), ("window", 3, 48.0), ("window", 1, 4.0),
+        ("epoch", 7, 100.0)] * 2
+    for r in records:
+        assert r["step_time_mean"] == pytest.approx(r["seconds"] / r["steps"])
+
+
 def test_a_sigkilled_run_keeps_every_closed_record_and_the_rerun_continues(
         run_workers, tmp_path):
     """Killed after 13 batches (8 per epoch, windows of 2) on a machine

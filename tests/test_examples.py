@@ -132,8 +132,12 @@ def test_the_demos_tensorboard_overlays_train_and_validation(
 
 
 def test_the_demo_reports_and_prints_commands_that_run_as_printed(demo):
-    workdir, _, output = demo
-    for text in ("Tuning the hidden width", "DistributedLogger epoch 2:",
+    workdir, first, output = demo
+    assert "Tuning the hidden width" in first, first
+    # The rerun reloads the finished trials and says so, not "Tuning".
+    assert "Tuning the hidden width" not in output, output
+    for text in ("Tuning done before: 1 trial(s) reloaded",
+                 "DistributedLogger epoch 2:",
                  "tuned model:", "test accuracy:", "input wait:"):
         assert text in output
     lines = {line.split(":", 1)[0].strip(): line.split(":", 1)[1].split()

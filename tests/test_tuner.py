@@ -904,6 +904,31 @@ def test_a_keras_tuner_hypermodel_is_wrapped_with_its_fit_and_space(
         2 * best_hp.get("learning_rate"), rel=1e-6)
 
 
+def test_a_hypermodel_that_skips_hypermodel_init_is_wrapped(tmp_path):
+    """KerasTuner accepts a HyperModel subclass whose `__init__` does not
+    call `HyperModel.__init__` (KerasTuner's own tests have several): it
+    has no `name` and no `tunable`, and it is wrapped all the same."""
+
+    class Bare(keras_tuner.HyperModel):
+        def __init__(self):
+            pass
+
+        def build(self, hp):
+            return tuner_workers.build_model(hp)
+
+    bare = Bare()
+    assert not hasattr(bare, "name")
+    hypermodel = mgpu_tuner.StrategyAwareHyperModel(bare,
+                                                    per_replica_batch_size=4)
+    assert hypermodel.name is None
+    tuner = keras_tuner.RandomSearch(
+        hypermodel, objective="loss", max_trials=1, seed=2,
+        directory=str(tmp_path))
+    x, y = tuner_workers.data(16)
+    tuner.search(x, y, epochs=1, verbose=0)
+    assert [t.status for t in _trials(tuner)] == ["COMPLETED"]
+
+
 @pytest.mark.parametrize("lr_scaling", ["linear", None])
 def test_a_non_keras_optimizer_is_named_with_what_is_expected(
         tmp_path, lr_scaling):

@@ -75,7 +75,7 @@ class _Span:
 
     start: Optional[dict] = None  # counters when its first batch began
     began: Optional[float] = None  # perf_counter at its first batch begin
-    steps: int = 0  # batches trained
+    steps: int = 0  # batches trained, as predicted at each batch begin
     step_max: float = 0.0  # longest batch interval
     untimed: bool = False  # a batch ran without input timing
     examples: float = 0.0  # samples counted batch by batch (hand loops)
@@ -559,7 +559,10 @@ class DistributedLogger(keras.callbacks.Callback):
         for i, m in enumerate(measured):
             m.update(_across_workers(gathered[:, i * width:(i + 1) * width]))
         common = self._shared_fields(read, counters)
-        if self.update_freq != "epoch" and self._chief:
+        # A window of only the call that found the end of the data trained
+        # nothing: no record.
+        if (self.update_freq != "epoch" and self._chief
+                and measured[0]["steps"]):
             metrics = read["metrics"]
             if self._hand_loop:
                 metrics = self._hand_loop_metrics(metrics, window)
@@ -592,6 +595,7 @@ class DistributedLogger(keras.callbacks.Callback):
     @staticmethod
     def _snapshot(counters) -> dict:
         return {
+            "step": counters.global_step,
             "samples": counters.samples_seen,
             "skipped": counters.updates_skipped,
             "input_wait": counters.input_wait_seconds,
@@ -600,8 +604,12 @@ class DistributedLogger(keras.callbacks.Callback):
     def _measure(self, span: _Span, state: dict, end: float) -> dict:
         seconds = max(end - span.began, 1e-9)
         start = span.start
+        # What the runtime counted once the span's calls returned: a batch
+        # begin predicts a call's batches, and the call that finds the end
+        # of data of unknown length trains fewer (none) than predicted.
+        steps = state["step"] - start["step"]
         if self.batch_size is not None:
-            examples = float(self.batch_size * span.steps)
+            examples = float(self.batch_size * steps)
         elif self._hand_loop:
             examples = span.examples
         elif state["samples"] is not None:
@@ -616,14 +624,14 @@ class DistributedLogger(keras.callbacks.Callback):
         loss_scaled = isinstance(getattr(self.model, "optimizer", None),
                                  keras.optimizers.LossScaleOptimizer)
         return {
-            "steps": span.steps,
+            "steps": steps,
             "seconds": seconds,
             "examples": examples,
             "examples_per_sec": per_sec,
             "examples_per_sec_per_replica": (
                 None if per_sec is None else per_sec / self._replicas
             ),
-            "step_time_mean": seconds / span.steps,
+            "step_time_mean": seconds / steps if steps else None,
             "step_time_max": span.step_max,
             "input_wait": None if span.untimed else min(
                 (state["input_wait"] - start["input_wait"]) / seconds, 1.0),
