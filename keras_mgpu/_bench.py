@@ -72,6 +72,7 @@ import tempfile
 import time
 from typing import Any, Mapping, Optional, Sequence
 
+from keras_mgpu._version import __version__
 # Defined with the argument parser, which must not import TensorFlow.
 from keras_mgpu_cli import MAX_REPLICAS  # noqa: F401
 from keras_mgpu_cli import MODELS
@@ -217,8 +218,8 @@ def run_child(replicas: int, model_name: str, policies: Mapping[str, str],
     import keras
     import tensorflow as tf
 
-    import keras_mgpu
     from keras_mgpu import strategy as strategy_lib
+    from keras_mgpu.accumulation import GradientAccumulationModel
 
     gpus = tf.config.list_physical_devices("GPU")
     if gpus:
@@ -232,7 +233,7 @@ def run_child(replicas: int, model_name: str, policies: Mapping[str, str],
         devices = (strategy_lib.configure_virtual_cpus(replicas)
                    if replicas > 1 else ["/cpu:0"])
         cross_device_ops = None
-    strategy = keras_mgpu.auto_strategy(devices=devices,
+    strategy = strategy_lib.auto_strategy(devices=devices,
                                         cross_device_ops=cross_device_ops)
     global_batch = batch_size * replicas
     dataset = _dataset(model_name, global_batch)
@@ -258,7 +259,7 @@ def run_child(replicas: int, model_name: str, policies: Mapping[str, str],
                 with strategy.scope():
                     model = build_model(model_name)
                     if n > 1:
-                        model = keras_mgpu.GradientAccumulationModel(
+                        model = GradientAccumulationModel(
                             model, accum_steps=n)
                     model.compile(
                         optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
@@ -352,8 +353,6 @@ def combine(settings: Mapping[str, Any], policies: Mapping[str, str],
     import keras
     import tensorflow as tf
 
-    import keras_mgpu
-
     results = [dict(r) for out in outputs for r in out["results"]]
     base_replicas = min(settings["replicas"])
 
@@ -403,7 +402,7 @@ def combine(settings: Mapping[str, Any], policies: Mapping[str, str],
         "versions": {"python": platform.python_version(),
                      "tensorflow": tf.__version__,
                      "keras": keras.__version__,
-                     "keras_mgpu": keras_mgpu.__version__},
+                     "keras_mgpu": __version__},
         "device": {"kind": "gpu" if on_gpu else "cpu", "gpus": list(gpus),
                    "logical_cpus": not on_gpu,
                    "cpu_count": os.cpu_count() or 1,

@@ -48,6 +48,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from keras_mgpu import mixed_precision
 from keras_mgpu import strategy as strategy_lib
+from keras_mgpu._version import __version__
 # Feature (the pip extra of the same name) -> display names it needs; defined
 # with the argument parser, which must not import TensorFlow.
 from keras_mgpu_cli import FEATURES
@@ -311,8 +312,6 @@ def collect(
     import keras
     import tensorflow as tf
 
-    import keras_mgpu
-
     runner = run_nvidia_smi if nvidia_smi_runner is None else nvidia_smi_runner
     env = os.environ if env is None else env
     devices = [dict(d) for d in (tf_devices() if devices is None else devices)]
@@ -328,7 +327,7 @@ def collect(
         "Python": platform.python_version(),
         "TensorFlow": tf.__version__,
         "Keras": keras.__version__,
-        "keras-mgpu": keras_mgpu.__version__,
+        "keras-mgpu": __version__,
     }
     for display, names in OPTIONAL_PACKAGES.items():
         software[display] = package_version(names)
