@@ -129,6 +129,24 @@ def test_partial_window_at_epoch_end(mode, reference_groups, updates):
     assert model.micro_step == 0
 
 
+def test_has_updated_says_which_micro_batch_closed_a_window():
+    """7 micro-batches, windows of 3: the 3rd and 6th close one; the 7th
+    opens a window the epoch's end applies ("apply")."""
+    with mirrored(2).scope():
+        model = GradientAccumulationModel(workers.build_mlp(), accum_steps=3)
+        model.compile(OPTIMIZERS["sgd_momentum"](), "mse")
+    assert model.has_updated is False
+    seen = []
+    model.fit(batches_dataset(micro_batches([8] * 7)), epochs=1, verbose=0,
+              shuffle=False, callbacks=[keras.callbacks.LambdaCallback(
+                  on_train_batch_end=lambda batch, logs: seen.append(
+                      (batch, model.has_updated)),
+                  on_epoch_end=lambda epoch, logs: seen.append(
+                      ("end", model.has_updated)))])
+    assert seen == [(0, False), (1, False), (2, True), (3, False),
+                    (4, False), (5, True), (6, False), ("end", True)]
+
+
 def test_partial_window_is_applied_before_validation():
     micro = micro_batches([8] * 6)
     seen = {}

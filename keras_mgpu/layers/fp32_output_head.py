@@ -141,7 +141,6 @@ class FP32OutputHead(keras.layers.Layer):
         self.units = int(units)
         self.activation = activation_fn
         self.float32_matmul = bool(float32_matmul)
-        self._dense_kwargs = dict(dense_kwargs)
         self.dense = keras.layers.Dense(
             self.units,
             dtype="float32" if self.float32_matmul else self.dtype_policy,
