@@ -74,11 +74,11 @@ from typing import Any, Mapping, Optional, Sequence
 
 from keras_mgpu._version import __version__
 # Defined with the argument parser, which must not import TensorFlow.
-from keras_mgpu_cli import MAX_REPLICAS  # noqa: F401
-from keras_mgpu_cli import MODELS
-from keras_mgpu_cli import PRECISIONS  # noqa: F401
-from keras_mgpu_cli import parse_choice_list  # noqa: F401
-from keras_mgpu_cli import parse_int_list  # noqa: F401
+from keras_mgpu_args import MAX_REPLICAS  # noqa: F401
+from keras_mgpu_args import MODELS
+from keras_mgpu_args import PRECISIONS  # noqa: F401
+from keras_mgpu_args import parse_choice_list  # noqa: F401
+from keras_mgpu_args import parse_int_list  # noqa: F401
 
 SCHEMA = "keras-mgpu-bench/2"
 NUM_CLASSES = 10

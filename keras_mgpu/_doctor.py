@@ -51,7 +51,7 @@ from keras_mgpu import strategy as strategy_lib
 from keras_mgpu._version import __version__
 # Feature (the pip extra of the same name) -> display names it needs; defined
 # with the argument parser, which must not import TensorFlow.
-from keras_mgpu_cli import FEATURES
+from keras_mgpu_args import FEATURES
 
 SCHEMA = "keras-mgpu-doctor/1"
 

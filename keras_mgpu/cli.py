@@ -25,7 +25,7 @@ from keras_mgpu import _bench
 from keras_mgpu import _doctor
 # The parser lives in a top-level module that imports no TensorFlow (see its
 # docstring); callers of keras_mgpu.cli.build_parser keep working.
-from keras_mgpu_cli import build_parser, parse_args
+from keras_mgpu_args import build_parser, parse_args
 
 EXIT_OK = 0
 EXIT_FINDING_ERROR = 1

@@ -131,9 +131,11 @@ def test_each_shell_command_names_what_exists(command):
         assert words[1] == "install"
         target = words[-1]
         if target.startswith("dist/"):
-            # Built by `make wheel`: the name carries pyproject's version.
-            with open(os.path.join(ROOT, "pyproject.toml")) as f:
-                version = re.search(r'^version = "(.+)"', f.read(), re.M)[1]
+            # Built by `make wheel`: the name carries the package's version
+            # (keras_mgpu/_version.py, which pyproject.toml reads).
+            with open(os.path.join(ROOT, "keras_mgpu", "_version.py")) as f:
+                version = re.search(r'^__version__ = "(.+)"', f.read(),
+                                    re.M)[1]
             assert target.split("[")[0] == (
                 f"dist/keras_mgpu-{version}-py3-none-any.whl")
     else:
