@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from typing import Callable, Optional, Sequence
 
 MODELS = ("resnet", "mlp")
