@@ -65,7 +65,7 @@ from keras_mgpu.strategy import num_replicas  # noqa: E402,F401
 from keras_mgpu.strategy import num_workers  # noqa: E402,F401
 from keras_mgpu.strategy import worker_index  # noqa: E402,F401
 
-__version__ = "0.1.0"
+from keras_mgpu._version import __version__  # noqa: E402,F401
 
 # Submodules imported on first attribute access (PEP 562): `tuner` needs the
 # optional keras-tuner, the others are not needed to train.

@@ -20,7 +20,7 @@ from tests.conftest import mirrored
 @pytest.fixture
 def keras_reports(monkeypatch):
     """Makes Keras report another version, with the warnings not yet given."""
-    monkeypatch.setattr(compat, "_warned_versions", set())
+    monkeypatch.setattr(compat._core, "_warned_versions", set())
 
     def report(version):
         monkeypatch.setattr(keras, "__version__", version)
@@ -143,7 +143,8 @@ def test_changed_signature_is_refused(monkeypatch):
 def test_multi_worker_fix_refuses_a_changed_trainer(monkeypatch):
     from keras.src.backend.tensorflow import trainer as tf_trainer
 
-    monkeypatch.setattr(compat, "_multi_worker_fit_enabled", False)
+    monkeypatch.setattr(compat.keras_trainer, "_multi_worker_fit_enabled",
+                        False)
     reduce_before = tf_trainer.reduce_per_replica
 
     def _maybe_symbolic_build(self, data_batch=None):  # a reshaped trainer
@@ -416,7 +417,8 @@ def test_steps_per_execution_on_two_replicas_matches_one(unknown_length):
 def test_multi_step_fix_refuses_a_changed_trainer(monkeypatch):
     from keras.src.backend.tensorflow import trainer as tf_trainer
 
-    monkeypatch.setattr(compat, "_multi_step_fit_enabled", False)
+    monkeypatch.setattr(compat.keras_trainer, "_multi_step_fit_enabled",
+                        False)
     monkeypatch.setattr(compat.trainer_class(), "_make_function",
                         lambda self, step, jit=None: None)
     with pytest.raises(compat.KerasInternalsError,
@@ -435,13 +437,13 @@ def _clipped_weights(optimizer, replicas, exact, policy="float32"):
     the clipping fix on, or off (Keras's own optimizer, as if never
     enabled)."""
     compat.enable_exact_clipping()
-    compat._exact_clipping_enabled = exact
+    compat.optimizer._exact_clipping_enabled = exact
     keras.mixed_precision.set_global_policy(policy)
     try:
         return workers.clipped_fit(mirrored(replicas), optimizer)
     finally:
         keras.mixed_precision.set_global_policy("float32")
-        compat._exact_clipping_enabled = True
+        compat.optimizer._exact_clipping_enabled = True
 
 
 def _max_diff(a, b):
@@ -520,7 +522,7 @@ def test_clipping_reduces_once_where_keras_reduces_before_clipping():
 def test_exact_clipping_refuses_a_changed_optimizer(monkeypatch):
     from keras.src.backend.tensorflow.optimizer import TFOptimizer
 
-    monkeypatch.setattr(compat, "_exact_clipping_enabled", False)
+    monkeypatch.setattr(compat.optimizer, "_exact_clipping_enabled", False)
     monkeypatch.setattr(TFOptimizer, "_clip_gradients",
                         lambda self, grads_and_vars: grads_and_vars)
     with pytest.raises(compat.KerasInternalsError,
