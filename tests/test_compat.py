@@ -613,6 +613,38 @@ def test_docs_show_the_workarounds_as_the_record_says():
         assert record.works_around and record.applied and record.remove_when
 
 
+def test_the_package_re_exports_every_module_and_looks_up_in_one_place():
+    # `keras_mgpu.compat.<name>` is the one path the rest of keras-mgpu
+    # uses, whichever module defines the name; and only `_core` reads a
+    # private name or module (`_lookup`, `_import_module`), so that one hook
+    # sees every lookup (tests/mutation_workers.py).
+    import ast
+    import importlib
+    import inspect
+    import pkgutil
+
+    modules = [info.name for info in pkgutil.iter_modules(compat.__path__)
+               if info.name != "__main__"]
+    assert {"_core", "registry", "keras_trainer"} <= set(modules)
+    for name in modules:
+        module = importlib.import_module(f"keras_mgpu.compat.{name}")
+        tree = ast.parse(inspect.getsource(module))
+        defined = {node.name for node in tree.body if isinstance(
+            node, (ast.FunctionDef, ast.ClassDef))} | {
+            target.id for node in tree.body if isinstance(node, ast.Assign)
+            for target in node.targets if isinstance(target, ast.Name)}
+        for public in sorted(n for n in defined if not n.startswith("_")):
+            assert getattr(compat, public, None) is getattr(module, public), (
+                f"compat/{name}.py: {public} is not re-exported by "
+                "compat/__init__.py")
+        if name != "_core":
+            called = {node.func.id for node in ast.walk(tree)
+                      if isinstance(node, ast.Call)
+                      and isinstance(node.func, ast.Name)}
+            assert not called & {"_lookup", "_import_module"}, (
+                f"compat/{name}.py looks up past _require/_require_module")
+
+
 def test_a_shape_is_the_code_not_its_comments_docstring_or_layout():
     import ast
 
