@@ -74,6 +74,8 @@ def _parse(version: str) -> Version:
 # noxfile's `nightly` environment passed on.
 TESTED_KERAS = VersionRange("3.10.0", "3.15.1",
                             nightlies=("3.16.0.dev2026102704",))
+
+
 class KerasInternalsError(RuntimeError):
     """A Keras internal that keras-mgpu relies on is missing or has changed."""
 
@@ -187,6 +189,7 @@ def _require_module(path: str, used_for: str):
     except ImportError:
         raise _internals_error(f"the module `{path}`", used_for) from None
 
+
 # --- Keras functions keras-mgpu runs a copy of -------------------------------
 # A copy is right only for the original it was copied from, so the original
 # is checked before the copy runs: its shape (its syntax tree without
@@ -267,6 +270,8 @@ def _shape_of_tree(tree) -> str:
         return [type(node).__name__, fields]
 
     return hashlib.sha256(repr(dump(tree)).encode()).hexdigest()[:16]
+
+
 def _copied_variant(owner, name: str, used_for: str) -> str:
     """The known variant of Keras's `owner.name`, which keras-mgpu runs a
     copy of; `KerasInternalsError` if its shape is not a known one."""
@@ -285,4 +290,3 @@ def _copied_variant(owner, name: str, used_for: str) -> str:
             f"shape {shape}, not one of {sorted(known)}: keras-mgpu's copy "
             "may no longer do what Keras's own does)", used_for)
     return known[shape]
-

@@ -20,6 +20,7 @@ from keras_mgpu.compat.optimizer import _keep_reduced, _tf_optimizer_class
 from keras_mgpu.compat.registry import _ACCUMULATION
 from keras_mgpu.compat.telemetry import loss_tracker
 
+
 # --- Gradient accumulation (keras_mgpu.accumulation) -------------------------
 # The train-step building blocks below are the ones Keras's own
 # `TensorFlowTrainer.train_step` uses; the optimizer hooks are the
@@ -95,4 +96,3 @@ def loss_scale_apply(optimizer, grads, trainable_variables) -> None:
 def loss_scale_skip(optimizer) -> None:
     """LossScaleOptimizer's non-finite branch: halve the scale, skip the step."""
     _require(optimizer, "_stateful_handle_non_finite_grads", _ACCUMULATION)()
-

@@ -12,10 +12,12 @@ from keras_mgpu.compat._core import _require
 from keras_mgpu.compat.registry import _BACKUP
 from keras_mgpu.compat.saving import _h5_store, _load_state, _save_state
 
+
 # --- Backup and restore (keras_mgpu.callbacks.BackupAndRestore) --------------
 # Keras's `fit` starts at `model._initial_epoch` when set (its own
 # BackupAndRestore uses this), and calls `model.train_function(iterator)`
 # once per batch (or `steps_per_execution` batches).
+
 
 def set_initial_epoch(model, epoch) -> None:
     """Makes the running `fit` start at `epoch` (None: as the caller asked)."""
@@ -63,4 +65,3 @@ def check_backup_support(model) -> None:
     _save_state()
     _load_state()
     _h5_store()
-

@@ -22,6 +22,8 @@ from keras_mgpu.compat.registry import (
 from keras_mgpu.compat.saving import _saving_lib
 
 _TF_TRAINER = "keras.src.backend.tensorflow.trainer"
+
+
 def trainer_class(used_for: str = _MULTI_STEP_FIX) -> type:
     """Keras's TensorFlow trainer: the class of `_TF_TRAINER` that
     `keras.Model` derives from (`TensorFlowTrainer` up to Keras 3.15,
@@ -39,6 +41,7 @@ def trainer_class(used_for: str = _MULTI_STEP_FIX) -> type:
     raise _internals_error(
         f"a trainer class of `{_TF_TRAINER}` among `keras.Model`'s bases",
         used_for)
+
 
 def _copied_originals() -> dict:
     """`{name: (owner, used_for)}` of every Keras function in

@@ -179,5 +179,3 @@ def enable_tuner_state_fix() -> bool:
 # the same Python step is retraced with an iterator whose fetches are timed
 # and counted. `function` itself is re-created here: `_KNOWN_SHAPES` checks
 # that Keras's is one of the shapes this copy follows.
-
-

@@ -12,6 +12,7 @@ import keras
 from keras_mgpu.compat._core import _require
 from keras_mgpu.compat.registry import _MIXED
 
+
 # --- Mixed precision (keras_mgpu.mixed_precision, keras_mgpu.layers) ---------
 # `keras.src.backend.tensorflow.nn._get_logits` reads this attribute on a
 # softmax/sigmoid output to recover its logits for the cross-entropy losses;
@@ -76,4 +77,3 @@ def producing_layer(keras_tensor):
         return None
     history = _require(keras_tensor, "_keras_history", _MIXED)
     return history[0] if history else None
-

@@ -19,6 +19,7 @@ def _tf_optimizer_class(used_for: str) -> type:
         _require_module("keras.src.backend.tensorflow.optimizer", used_for),
         "TFOptimizer", used_for)
 
+
 # --- Gradient clipping under a strategy --------------------------------------
 # In replica context Keras's TensorFlow optimizer clips (`_clip_gradients`,
 # in `BaseOptimizer._backend_apply_gradients`) before it all-reduces
@@ -172,6 +173,7 @@ def enable_exact_clipping() -> bool:
         _exact_clipping_enabled = True
     return True
 
+
 # --- The learning-rate schedule (keras_mgpu.tuner) ---------------------------
 # Keras 3 optimizers keep a schedule, if any, in `_learning_rate` (the
 # public `learning_rate` evaluates it).
@@ -195,4 +197,3 @@ def learning_rate_callable(optimizer):
     ):
         return rate
     return None
-

@@ -17,6 +17,7 @@ from keras_mgpu.compat.registry import _BACKUP
 
 _SAVING_LIB = "keras.src.saving.saving_lib"
 
+
 class WeightsLayout:
     """Where `model.save_weights` puts each value: the objects Keras's own
     walk of the model saves (layers, optimizer, metrics), in its order and
@@ -172,4 +173,3 @@ def _recording_store_class(h5_store):
             self._values.append((key, buffer))
 
     return _RecordingStore
-

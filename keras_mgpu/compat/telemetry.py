@@ -113,5 +113,3 @@ def train_on_batch_resets_metrics() -> bool:
         raise _internals_error(
             f"`{trainer.__name__}.train_on_batch`'s code", _TELEMETRY)
     return "reset_metrics" in code.co_names
-
-

@@ -55,4 +55,3 @@ def set_cluster_startup_timeout(seconds: float) -> None:
     # Without the barrier the deadline is not enforced: the leader waits on.
     _require(ctx, "coordination_service",
              used_for).cluster_register_with_barrier = True
-

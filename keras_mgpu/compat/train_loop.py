@@ -239,5 +239,3 @@ class _InstrumentedIterator:
                         else tf.constant(1, tf.int64))
                 self._batches_read.assign_add(read)
         return element
-
-
