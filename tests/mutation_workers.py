@@ -4,9 +4,9 @@ Run as `python -m tests.mutation_workers`: one process imports TensorFlow,
 then forks a child per run, so each run starts with Keras unpatched.
 
 - A recording run of each phase below lists the private names and modules
-  it looked up through `compat._require` and `compat._require_module`.
+  it looked up through `_require` and `_require_module` (keras_mgpu/compat/_core.py).
 - Then, for each name recorded, a run of the first phase that looked it
-  up, in which the name is missing (`compat._lookup` answers as Keras would
+  up, in which the name is missing (`_lookup` answers as Keras would
   without it), has other parameters (where `_require` checks them), or, for
   a Keras function keras-mgpu runs a copy of, has another body.
 
@@ -91,8 +91,9 @@ def _install(mutation, looked_up):
     (`(kind, key)` or None) to the one named by `key`."""
     from keras_mgpu import compat
 
-    lookup, require, import_module = (compat._lookup, compat._require,
-                                      compat._import_module)
+    lookup, require, import_module = (compat._core._lookup,
+                                      compat._core._require,
+                                      compat._core._import_module)
     kind, target = mutation or (None, None)
 
     def recording_require(owner, name, used_for, params=None):
@@ -122,9 +123,15 @@ def _install(mutation, looked_up):
             raise ImportError(f"No module named {path!r}")
         return import_module(path)
 
-    compat._require = recording_require
-    compat._lookup = mutated_lookup
-    compat._import_module = mutated_import
+    # `_lookup` and `_import_module` are called only inside compat._core;
+    # `_require` is bound in each module of the package that calls it.
+    for name, module in list(sys.modules.items()):
+        if ((name == "keras_mgpu.compat"
+                or name.startswith("keras_mgpu.compat."))
+                and vars(module).get("_require") is require):
+            module._require = recording_require
+    compat._core._lookup = mutated_lookup
+    compat._core._import_module = mutated_import
 
 
 # --- the phases ------------------------------------------------------------------

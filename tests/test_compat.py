@@ -20,7 +20,7 @@ from tests.conftest import mirrored
 @pytest.fixture
 def keras_reports(monkeypatch):
     """Makes Keras report another version, with the warnings not yet given."""
-    monkeypatch.setattr(compat, "_warned_versions", set())
+    monkeypatch.setattr(compat._core, "_warned_versions", set())
 
     def report(version):
         monkeypatch.setattr(keras, "__version__", version)
@@ -143,7 +143,8 @@ def test_changed_signature_is_refused(monkeypatch):
 def test_multi_worker_fix_refuses_a_changed_trainer(monkeypatch):
     from keras.src.backend.tensorflow import trainer as tf_trainer
 
-    monkeypatch.setattr(compat, "_multi_worker_fit_enabled", False)
+    monkeypatch.setattr(compat.keras_trainer, "_multi_worker_fit_enabled",
+                        False)
     reduce_before = tf_trainer.reduce_per_replica
 
     def _maybe_symbolic_build(self, data_batch=None):  # a reshaped trainer
@@ -416,7 +417,8 @@ def test_steps_per_execution_on_two_replicas_matches_one(unknown_length):
 def test_multi_step_fix_refuses_a_changed_trainer(monkeypatch):
     from keras.src.backend.tensorflow import trainer as tf_trainer
 
-    monkeypatch.setattr(compat, "_multi_step_fit_enabled", False)
+    monkeypatch.setattr(compat.keras_trainer, "_multi_step_fit_enabled",
+                        False)
     monkeypatch.setattr(compat.trainer_class(), "_make_function",
                         lambda self, step, jit=None: None)
     with pytest.raises(compat.KerasInternalsError,
@@ -435,13 +437,13 @@ def _clipped_weights(optimizer, replicas, exact, policy="float32"):
     the clipping fix on, or off (Keras's own optimizer, as if never
     enabled)."""
     compat.enable_exact_clipping()
-    compat._exact_clipping_enabled = exact
+    compat.optimizer._exact_clipping_enabled = exact
     keras.mixed_precision.set_global_policy(policy)
     try:
         return workers.clipped_fit(mirrored(replicas), optimizer)
     finally:
         keras.mixed_precision.set_global_policy("float32")
-        compat._exact_clipping_enabled = True
+        compat.optimizer._exact_clipping_enabled = True
 
 
 def _max_diff(a, b):
@@ -520,7 +522,7 @@ def test_clipping_reduces_once_where_keras_reduces_before_clipping():
 def test_exact_clipping_refuses_a_changed_optimizer(monkeypatch):
     from keras.src.backend.tensorflow.optimizer import TFOptimizer
 
-    monkeypatch.setattr(compat, "_exact_clipping_enabled", False)
+    monkeypatch.setattr(compat.optimizer, "_exact_clipping_enabled", False)
     monkeypatch.setattr(TFOptimizer, "_clip_gradients",
                         lambda self, grads_and_vars: grads_and_vars)
     with pytest.raises(compat.KerasInternalsError,
@@ -609,6 +611,38 @@ def test_docs_show_the_workarounds_as_the_record_says():
     for record in compat.WORKAROUNDS:
         assert record.upstream.startswith("https://github.com/")
         assert record.works_around and record.applied and record.remove_when
+
+
+def test_the_package_re_exports_every_module_and_looks_up_in_one_place():
+    # `keras_mgpu.compat.<name>` is the one path the rest of keras-mgpu
+    # uses, whichever module defines the name; and only `_core` reads a
+    # private name or module (`_lookup`, `_import_module`), so that one hook
+    # sees every lookup (tests/mutation_workers.py).
+    import ast
+    import importlib
+    import inspect
+    import pkgutil
+
+    modules = [info.name for info in pkgutil.iter_modules(compat.__path__)
+               if info.name != "__main__"]
+    assert {"_core", "registry", "keras_trainer"} <= set(modules)
+    for name in modules:
+        module = importlib.import_module(f"keras_mgpu.compat.{name}")
+        tree = ast.parse(inspect.getsource(module))
+        defined = {node.name for node in tree.body if isinstance(
+            node, (ast.FunctionDef, ast.ClassDef))} | {
+            target.id for node in tree.body if isinstance(node, ast.Assign)
+            for target in node.targets if isinstance(target, ast.Name)}
+        for public in sorted(n for n in defined if not n.startswith("_")):
+            assert getattr(compat, public, None) is getattr(module, public), (
+                f"compat/{name}.py: {public} is not re-exported by "
+                "compat/__init__.py")
+        if name != "_core":
+            called = {node.func.id for node in ast.walk(tree)
+                      if isinstance(node, ast.Call)
+                      and isinstance(node.func, ast.Name)}
+            assert not called & {"_lookup", "_import_module"}, (
+                f"compat/{name}.py looks up past _require/_require_module")
 
 
 def test_a_shape_is_the_code_not_its_comments_docstring_or_layout():

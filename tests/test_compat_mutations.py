@@ -17,8 +17,8 @@ import pytest
 from keras_mgpu import compat
 
 ROOT = pathlib.Path(__file__).parents[1]
-COMPAT = ROOT / "keras_mgpu" / "compat.py"
-# Python's own private names compat.py uses (the stack walk, `ast`).
+COMPAT = ROOT / "keras_mgpu" / "compat"
+# Python's own private names compat uses (the stack walk, `ast`).
 PYTHONS_OWN = {"_getframe", "_fields"}
 PRIVATE_MODULES = ("keras.src", "keras_tuner.src", "tensorflow.python",
                    "tensorflow.compiler")
@@ -47,13 +47,22 @@ def runs():
             [r for r in reports if r["mutation"] is not None])
 
 
+def _compat_trees(named=False) -> list:
+    """The syntax tree of each module of the compat package (with its path
+    where `named`)."""
+    paths = sorted(COMPAT.rglob("*.py"))
+    assert paths, f"no modules under {COMPAT}"
+    trees = [(path, ast.parse(path.read_text())) for path in paths]
+    return trees if named else [tree for _, tree in trees]
+
+
 def _required_names() -> set:
-    """Every attribute name compat.py passes to `_require` (or
+    """Every attribute name the compat package passes to `_require` (or
     `_copied_variant`) and every module path to `_require_module`, as
     literals."""
     position = {"_require": 1, "_copied_variant": 1, "_require_module": 0}
     names = set()
-    for node in ast.walk(ast.parse(COMPAT.read_text())):
+    for node in (node for tree in _compat_trees() for node in ast.walk(tree)):
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
                 and node.func.id in position
                 and len(node.args) > position[node.func.id]):
@@ -129,11 +138,12 @@ def test_private_names_are_reached_only_through_the_checks():
                     f"{path.relative_to(ROOT)}:{node.lineno} imports "
                     f"{name}: go through compat._require_module")
     required = _required_names()
-    tree = ast.parse(COMPAT.read_text())
-    ours = {node.name for node in ast.walk(tree)
+    nodes = [(path, node) for path, tree in _compat_trees(named=True)
+             for node in ast.walk(tree)]
+    ours = {node.name for _, node in nodes
             if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
     unchecked = set()
-    for node in ast.walk(tree):
+    for path, node in nodes:
         if (isinstance(node, ast.Attribute)
                 and re.match(r"_[a-z]", node.attr)
                 and not (isinstance(node.value, ast.Name)
@@ -141,7 +151,7 @@ def test_private_names_are_reached_only_through_the_checks():
                 and node.attr not in ours
                 and node.attr not in PYTHONS_OWN
                 and node.attr not in required):
-            unchecked.add(f"{node.attr} (line {node.lineno})")
+            unchecked.add(f"{node.attr} ({path.name}, line {node.lineno})")
     assert not unchecked, (
-        f"compat.py reaches these private names without `_require`: "
+        f"compat reaches these private names without `_require`: "
         f"{sorted(unchecked)}")

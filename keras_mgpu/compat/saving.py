@@ -1,0 +1,175 @@
+"""Keras's weights file (keras/src/saving/saving_lib.py): the backup's
+snapshot of the weights to host memory (`weights_layout`), its `.weights.h5`
+bytes (`weights_file`) and their load (`load_weights_file`), with no file
+in between.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Optional
+
+import numpy as np
+
+from keras_mgpu.compat._core import _copied_variant, _require, _require_module
+from keras_mgpu.compat.registry import _BACKUP
+
+_SAVING_LIB = "keras.src.saving.saving_lib"
+
+
+class WeightsLayout:
+    """Where `model.save_weights` puts each value: the objects Keras's own
+    walk of the model saves (layers, optimizer, metrics), in its order and
+    with its paths, found once.
+
+    `read()` has each of them put its values into host memory now, as
+    `save_weights` would: the training thread pays only for the reads
+    (device-to-host copies; collectives for replica-local variables under
+    MultiWorkerMirroredStrategy, in the same order on every worker), not
+    for the walk (which inspects every attribute of every layer) or the
+    file, which `weights_file(snapshot)` writes later, on any thread. Valid
+    while the model saves the same objects: find it again after a
+    recompile.
+    """
+
+    def __init__(self, saveables: list, store_class):
+        self._saveables = saveables
+        self._store_class = store_class
+
+    def read(self, into: Optional[list] = None) -> list:
+        """`[(path, metadata, [(key, array), ...])]`, for `weights_file`.
+
+        `into`: an earlier `read()` whose arrays are no longer used: the
+        values are copied into them (no new host memory to allocate and
+        fault in, which costs more than the copy for large models).
+        """
+        buffers = None if into is None else (
+            array for _, _, values in into for _, array in values)
+        store = self._store_class(buffers=buffers)
+        for path, metadata, saveable in self._saveables:
+            saveable.save_own_variables(store.make(path, metadata=metadata))
+        return store.entries
+
+
+def _saving_lib():
+    return _require_module(_SAVING_LIB, _BACKUP)
+
+
+def _save_state():
+    # What `save_weights_only` does for a `.weights.h5` file.
+    _copied_variant(_saving_lib(), "save_weights_only", _BACKUP)
+    return _require(
+        _saving_lib(), "_save_state", _BACKUP,
+        params=("saveable", "weights_store", "assets_store", "inner_path",
+                "visited_saveables"))
+
+
+def _load_state():
+    # What `load_weights_only` does for a `.weights.h5` file.
+    _copied_variant(_saving_lib(), "load_weights_only", _BACKUP)
+    return _require(
+        _saving_lib(), "_load_state", _BACKUP,
+        params=("saveable", "weights_store", "assets_store", "inner_path"))
+
+
+def _h5_store():
+    return _require(_saving_lib(), "H5IOStore", _BACKUP)
+
+
+def weights_layout(model) -> WeightsLayout:
+    """Finds where `model.save_weights` would put each of its values."""
+    save_state = _save_state()
+    store_class = _recording_store_class(_h5_store())
+    finder = store_class(find_saveables=True)
+    save_state(model, weights_store=finder, assets_store=None, inner_path="",
+               visited_saveables=set())
+    return WeightsLayout(finder.saveables, store_class)
+
+
+def weights_file(snapshot: list) -> memoryview:
+    """The bytes of the `.weights.h5` file `model.save_weights` would have
+    written when `snapshot` (`WeightsLayout.read()`) was taken, made by
+    Keras's own HDF5 store (in memory), so that `model.load_weights` reads
+    it. A view of the buffer they were written to, not a copy."""
+    import io
+
+    buffer = io.BytesIO()
+    store = _h5_store()(buffer, mode="w")
+    try:
+        for path, metadata, values in snapshot:
+            entry = store.make(path, metadata=metadata)
+            for key, value in values:
+                entry[key] = value
+    finally:
+        store.close()
+    return buffer.getbuffer()
+
+
+def load_weights_file(model, data: bytes) -> None:
+    """`model.load_weights` of a `.weights.h5` file given as its bytes (read
+    and verified by the caller), so that exactly those bytes are loaded,
+    not whatever the file on disk holds by the time it is opened again.
+
+    What `keras.saving.saving_lib.load_weights_only` does with a path, from
+    an in-memory file (upstream: keras/src/saving/saving_lib.py; remove when
+    `Model.load_weights` accepts a file object).
+    """
+    import io
+
+    load_state = _load_state()
+    store = _h5_store()(io.BytesIO(data), mode="r")
+    failed, errors = set(), {}
+    try:
+        load_state(model, store, None, "", visited_saveables=set(),
+                   failed_saveables=failed, error_msgs=errors)
+    finally:
+        store.close()
+    if failed:
+        saveable, error = next(iter(errors.values()))
+        raise ValueError(
+            f"{len(errors)} objects could not be loaded from the backup's "
+            f"weights, e.g. {saveable}: {error}")
+
+
+@functools.lru_cache(maxsize=4)
+def _recording_store_class(h5_store):
+    # A subclass: Keras's walk accepts only its own store types.
+    class _RecordingStore(h5_store):
+        def __init__(self, find_saveables=False, buffers=None):
+            # No file is set up: nothing of the parent's state is used.
+            self.entries = []
+            self.saveables = [] if find_saveables else None
+            self._values = None
+            self._buffers = iter(buffers or ())
+
+        def __bool__(self):
+            return True
+
+        def make(self, path, metadata=None):
+            if self.saveables is not None:
+                # Called by `_save_state(saveable, ...)` for that object
+                # (its first parameter, checked by `weights_layout`).
+                saveable = inspect.currentframe().f_back.f_locals["saveable"]
+                self.saveables.append((path, metadata, saveable))
+            self._values = []
+            self.entries.append((path, metadata, self._values))
+            return self
+
+        def __setitem__(self, key, value):
+            if self.saveables is not None:
+                return
+            # A copy (the variables train on while the file is written),
+            # into the earlier read's array where there is one: memory in
+            # use already, where a new array per save is faulted in page
+            # by page.
+            source = np.asarray(value)
+            buffer = next(self._buffers, None)
+            if (buffer is not None and buffer.shape == source.shape
+                    and buffer.dtype == source.dtype):
+                np.copyto(buffer, source)
+            else:
+                buffer = np.array(source)
+            self._values.append((key, buffer))
+
+    return _RecordingStore
