@@ -9,6 +9,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from typing import Optional
 
 import tensorflow as tf
@@ -98,6 +99,7 @@ class Sinks:
         self._lock = threading.Lock()
         self._running = False
         self._thread = None  # the latest writer thread
+        self._closer = None  # `close_with`'s finalizer
 
     def submit(self, record: dict) -> None:
         """Writes the record's local JSONL line now; queues the rest."""
@@ -144,8 +146,16 @@ class Sinks:
                 break
         self._raise_error()
 
+    def close_with(self, owner) -> None:
+        """Closes the outputs when `owner` is garbage collected, or at exit,
+        unless `close` came first."""
+        self._closer = weakref.finalize(owner, _close_when_collected, self)
+
     def close(self) -> None:
         """Writes every queued record, then closes the outputs."""
+        closer, self._closer = self._closer, None
+        if closer is not None:
+            closer.detach()
         self.release()
         with self._lock:
             idle = not self._running and self._queue.empty()
@@ -282,6 +292,15 @@ class Sinks:
                      for tag, v in values.items() if v is not None},
                     step=record["step"],
                 )
+
+
+def _close_when_collected(sinks: Sinks) -> None:
+    """Closes a dropped logger's outputs. Garbage collection can run this
+    while the thread is tracing a function: `init_scope` runs the writers'
+    flush and close now, not as ops of that function (where they would run
+    later, against writers gone by then)."""
+    with tf.init_scope():
+        sinks.close()
 
 
 def _open_jsonl(path: str):
