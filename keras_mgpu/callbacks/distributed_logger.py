@@ -1,5 +1,15 @@
-"""`DistributedLogger`, importable from its former module path; the code is in
-`keras_mgpu.callbacks.telemetry`."""
+"""`DistributedLogger` and its names, importable from this module path; the
+code is the `keras_mgpu.callbacks.telemetry` package.
+
+Example:
+
+>>> from keras_mgpu.callbacks.distributed_logger import (
+...     DistributedLogger, input_wait_summary)
+>>> DistributedLogger.__module__
+'keras_mgpu.callbacks.telemetry.logger'
+>>> input_wait_summary(0.03)
+'3.0% of step time (not input-bound)'
+"""
 
 from keras_mgpu.callbacks.telemetry import JSONL_KEYS  # noqa: F401
 from keras_mgpu.callbacks.telemetry import DistributedLogger  # noqa: F401

@@ -4,8 +4,9 @@
 JSONL schema and a record's figures), `reader` (what a record reads from the
 device), `workers` (cross-worker figures), `summaries` (the model's own
 `tf.summary` calls), `profiler` (`profile_steps`), `sinks` (TensorBoard,
-JSONL, wandb), `claims` (one writer per `log_dir`), `console` (the epoch
-line), `hand_loop` (a hand-written loop's figures), `state` and `options`.
+JSONL, wandb), `tensorboard` (the TensorBoard layout of a record), `claims`
+(one writer per `log_dir`), `console` (the epoch line), `hand_loop` (a
+hand-written loop's figures), `state` and `options`.
 """
 
 from keras_mgpu.callbacks.telemetry.claims import LogDirInUse  # noqa: F401

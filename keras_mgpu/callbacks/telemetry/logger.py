@@ -1,9 +1,7 @@
 """`DistributedLogger`: chief-only training telemetry for distributed `fit`.
 
-The callback decides when a window or an epoch closes; what a record holds
-is `records`, what it reads from the device `reader`, its cross-worker
-figures `workers`, where it goes `sinks`.
-"""
+The callback decides when a window or an epoch closes: what a record holds
+is `records`, what it reads `reader`, where it goes `sinks`."""
 
 from __future__ import annotations
 
