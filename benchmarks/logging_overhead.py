@@ -36,7 +36,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from _timing import EpochTimer  # noqa: E402
 
-from keras_mgpu.callbacks.distributed_logger import DistributedLogger  # noqa: E402
+from keras_mgpu.callbacks import DistributedLogger  # noqa: E402
 
 _HOOKS = ("on_train_batch_begin", "on_train_batch_end", "on_epoch_begin",
           "on_epoch_end", "on_test_begin", "on_batch_begin", "on_batch_end")

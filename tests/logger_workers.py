@@ -42,7 +42,7 @@ def announced_writes(log_dir, epochs=100):
     after training until killed (the test kills it mid-run, on a marker)."""
     import keras
 
-    from keras_mgpu.callbacks import _sinks
+    from keras_mgpu.callbacks.telemetry import sinks as _sinks
     from keras_mgpu.callbacks.distributed_logger import DistributedLogger
     from tests import workers
 
@@ -81,7 +81,7 @@ def killed_and_resumed(log_dir, backup_dir, kill_after=None, epochs=2,
     import keras
 
     from keras_mgpu.callbacks import BackupAndRestore, DistributedLogger
-    from keras_mgpu.callbacks import _sinks
+    from keras_mgpu.callbacks.telemetry import sinks as _sinks
     from tests import workers
 
     if kill_after is not None:

@@ -15,7 +15,7 @@ import pytest
 import tensorflow as tf
 
 from keras_mgpu import GradientAccumulationModel, data
-from keras_mgpu.callbacks import distributed_logger
+from keras_mgpu.callbacks.telemetry import records
 from keras_mgpu.callbacks.distributed_logger import JSONL_KEYS
 from keras_mgpu.callbacks.distributed_logger import DistributedLogger
 from keras_mgpu.mixed_precision import LossScaleMonitor
@@ -460,7 +460,7 @@ def test_input_wait_tells_a_starved_pipeline_from_a_fed_one(
     assert waited > 0.7 * decode_seconds
     # The label is a share of wall time, which load changes: only that it is
     # the one the logged share gives (the thresholds have their own test).
-    assert starved["input_bound"] == distributed_logger._input_bound(
+    assert starved["input_bound"] == records._input_bound(
         starved["input_wait"])
     # Cached in memory: the wait is the fetch itself, no decode.
     assert fed["input_wait"] * fed["seconds"] < decode_seconds / 4
@@ -604,7 +604,7 @@ def test_local_or_url_log_dir_appends_after_a_torn_line(tmp_path, monkeypatch,
 
 
 def test_url_jsonl_is_rewritten_where_append_is_unsupported(tmp_path):
-    from keras_mgpu.callbacks import _sinks
+    from keras_mgpu.callbacks.telemetry import sinks as _sinks
 
     path = f"ram://keras_mgpu_test/{tmp_path.name}/metrics.jsonl"
     with tf.io.gfile.GFile(path, "w") as f:
@@ -810,11 +810,12 @@ def test_the_models_summaries_follow_the_logger_the_step_was_traced_with(
 
 
 def test_the_input_bound_label_comes_from_the_number_shown_beside_it():
-    from keras_mgpu.callbacks import distributed_logger, input_wait_summary
+    from keras_mgpu.callbacks import input_wait_summary
+    from keras_mgpu.callbacks.telemetry import workers as telemetry_workers
 
     # Two workers waiting 6.2% and 25% of their steps: 15.6% on average.
     rows = np.array([[0.010, 100.0, 0.062], [0.012, 90.0, 0.25]])
-    record = distributed_logger._across_workers(rows)
+    record = telemetry_workers._across_workers(rows)
     assert record["input_wait"] == pytest.approx(0.156)
     # Not "highly" (above 20%), which only the second worker is.
     assert record["input_bound"] == "moderately"

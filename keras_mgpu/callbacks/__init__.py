@@ -6,8 +6,8 @@ from keras_mgpu.callbacks.backup_and_restore import BackupAndRestore  # noqa: F4
 from keras_mgpu.callbacks.backup_and_restore import BackupDirInUse  # noqa: F401
 from keras_mgpu.callbacks.backup_and_restore import list_presets  # noqa: F401
 from keras_mgpu.callbacks.callback_state import register_callback_state  # noqa: F401
-from keras_mgpu.callbacks.distributed_logger import JSONL_KEYS  # noqa: F401
-from keras_mgpu.callbacks.distributed_logger import LogDirInUse  # noqa: F401
-from keras_mgpu.callbacks.distributed_logger import DistributedLogger  # noqa: F401
-from keras_mgpu.callbacks.distributed_logger import input_wait_summary  # noqa: F401
+from keras_mgpu.callbacks.telemetry import JSONL_KEYS  # noqa: F401
+from keras_mgpu.callbacks.telemetry import LogDirInUse  # noqa: F401
+from keras_mgpu.callbacks.telemetry import DistributedLogger  # noqa: F401
+from keras_mgpu.callbacks.telemetry import input_wait_summary  # noqa: F401
 from keras_mgpu.callbacks.loss_scale_monitor import LossScaleMonitor  # noqa: F401

@@ -9,11 +9,13 @@ import os
 import queue
 import threading
 import time
+import weakref
 from typing import Optional
 
 import tensorflow as tf
 
 from keras_mgpu._checks import is_url
+from keras_mgpu.callbacks.telemetry.tensorboard import tensorboard_scalars
 
 # The writer thread flushes every output and exits once nothing has been
 # queued for this long; the next record starts a new one. So a `fit` that
@@ -98,6 +100,7 @@ class Sinks:
         self._lock = threading.Lock()
         self._running = False
         self._thread = None  # the latest writer thread
+        self._closer = None  # `close_with`'s finalizer
 
     def submit(self, record: dict) -> None:
         """Writes the record's local JSONL line now; queues the rest."""
@@ -144,8 +147,16 @@ class Sinks:
                 break
         self._raise_error()
 
+    def close_with(self, owner) -> None:
+        """Closes the outputs when `owner` is garbage collected, or at exit,
+        unless `close` came first."""
+        self._closer = weakref.finalize(owner, _close_when_collected, self)
+
     def close(self) -> None:
         """Writes every queued record, then closes the outputs."""
+        closer, self._closer = self._closer, None
+        if closer is not None:
+            closer.detach()
         self.release()
         with self._lock:
             idle = not self._running and self._queue.empty()
@@ -284,6 +295,15 @@ class Sinks:
                 )
 
 
+def _close_when_collected(sinks: Sinks) -> None:
+    """Closes a dropped logger's outputs. Garbage collection can run this
+    while the thread is tracing a function: `init_scope` runs the writers'
+    flush and close now, not as ops of that function (where they would run
+    later, against writers gone by then)."""
+    with tf.init_scope():
+        sinks.close()
+
+
 def _open_jsonl(path: str):
     """Opens the JSONL file for appending, after a newline if a killed run
     left a torn last line (so only that line is unreadable)."""
@@ -379,77 +399,3 @@ def _summary_proto(values: dict) -> bytes:
             entry.tensor.dtype = 1  # DT_FLOAT
             entry.tensor.float_val.append(value)
     return summary.SerializeToString()
-
-
-def tensorboard_scalars(record: dict) -> list:
-    """A record's TensorBoard series, in Keras `TensorBoard`'s layout.
-
-    Returns `[(run, step, {tag: value})]`. Keras's own names come first:
-    `epoch_<metric>` (step: the epoch) in the `train` run, and without the
-    `val_` prefix in the `validation` run, which also has
-    `evaluation_<metric>_vs_iterations` (step: the global step);
-    `epoch_learning_rate` and `epoch_steps_per_second`; window records give
-    `batch_<metric>` and `batch_steps_per_second` at the global step. The
-    telemetry follows in named groups, `<group>/epoch_<name>` or
-    `<group>/batch_<name>`: `throughput`, `input`, `distribution` (with more
-    than one worker), `mixed_precision` (with a loss scale), `accumulation`
-    (with a `GradientAccumulationModel`) and `memory` (with GPUs). A value
-    the run does not have is not written, nor are the run's constants
-    (`workers`, `replicas`: in the JSONL records).
-    """
-    kind = record["kind"]
-    if kind == "resume":
-        return [("train", record["step"], {"resume": record["resume"]["text"]})]
-    prefix = "batch_" if kind == "window" else "epoch_"
-    step = record["step"] if kind == "window" else record["epoch"]
-    train, validation = {}, {}
-    for name, value in record["metrics"].items():
-        if name.startswith("val_"):
-            validation[f"epoch_{name[4:]}"] = value
-        else:
-            train[f"{prefix}{name}"] = value
-    if kind == "epoch":
-        train["epoch_learning_rate"] = record["learning_rate"]
-    train[f"{prefix}steps_per_second"] = record["steps"] / record["seconds"]
-    groups = {
-        "throughput": {
-            "examples_per_sec": record["examples_per_sec"],
-            "examples_per_sec_per_replica": (
-                record["examples_per_sec_per_replica"]
-                if record["replicas"] > 1 else None),
-            "step_time_mean": record["step_time_mean"],
-            "step_time_max": record["step_time_max"],
-        },
-        "input": {"wait": record["input_wait"]},
-        "mixed_precision": {"loss_scale": record["loss_scale"],
-                            "skipped_steps": record["skipped_steps"]},
-        "accumulation": {"grad_norm": record["grad_norm"]},
-        "memory": {f"{device}_{key}": value
-                   for device, figures in record["memory"].items()
-                   for key, value in figures.items()},
-    }
-    if record["workers"] > 1:
-        groups["distribution"] = {
-            f"{name}_{stat}": (spread or {}).get(stat)
-            for name, spread in (
-                ("step_time", record["worker_step_time"]),
-                ("examples_per_sec", record["worker_examples_per_sec"]),
-                ("input_wait", record["worker_input_wait"]))
-            for stat in ("min", "mean", "max")
-        }
-        groups["distribution"]["slowest_worker"] = record["slowest_worker"]
-    for group, values in groups.items():
-        for name, value in values.items():
-            train[f"{group}/{prefix}{name}"] = value
-    out = [("train", step, _present(train))]
-    if validation:
-        out.append(("validation", step, _present(validation)))
-        out.append(("validation", record["step"], {
-            f"evaluation_{tag[len('epoch_'):]}_vs_iterations": value
-            for tag, value in _present(validation).items()}))
-    return out
-
-
-def _present(values: dict) -> dict:
-    return {tag: float(value) for tag, value in values.items()
-            if value is not None}

@@ -1,0 +1,138 @@
+"""What a record reads from the device: metrics, the runtime's counters,
+learning rate, loss scale and the accumulation state, in one compiled call;
+and the local GPUs' memory."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_mgpu.callbacks.telemetry.records import _floats
+
+
+def _read(model, runtime, reader: Optional[tuple], check: bool
+          ) -> tuple[Optional[tuple], bool, dict]:
+    """Everything a record reads from the device, in one compiled call.
+
+    Metrics, the runtime's counters, learning rate, loss scale and the
+    accumulation state come back from one cached `tf.function` (one
+    dispatch, one wait for the device) instead of a dozen eager reads.
+    Reading the replica-summed metrics is a collective under
+    MultiWorkerMirroredStrategy: every worker calls this at the same
+    record boundaries.
+
+    `reader` is the `(key, concrete function)` kept from earlier reads;
+    with `check`, it is compared with what the model reads now and traced
+    anew if that changed. Returns the reader to keep, whether it was
+    checked, and the values.
+    """
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and not optimizer.built:
+        # A hand-written loop that has not stepped the optimizer yet:
+        # read eagerly, its variables may not exist.
+        raw = _read_values(model, runtime)
+        checked = False
+    else:
+        checked = check
+        if check:
+            # Once per fit (the key walks the model's metrics). The
+            # concrete function holds what it reads, so the ids in the
+            # key stay theirs while it lives.
+            key = _reader_key(model, runtime)
+            if reader is None or reader[0] != key:
+                reader = (key, tf.function(
+                    lambda: _read_values(model, runtime),
+                    autograph=False).get_concrete_function())
+        raw = reader[1]()
+    values = {k: None if v is None else np.asarray(v)
+              for k, v in raw["counters"].items()}
+    return reader, checked, {
+        "metrics": _floats(raw["metrics"]),
+        "counters": runtime.counters(values),
+        "grad_norm": _scalar(raw["grad_norm"], float),
+        "learning_rate": _scalar(raw["learning_rate"], float),
+        "loss_scale": _scalar(raw["loss_scale"], float),
+    }
+
+
+def _read_values(model, runtime) -> dict:
+    """The tensors a record reads (traced into the logger's reader)."""
+    optimizer = getattr(model, "optimizer", None)
+    loss_scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+    window = getattr(model, "window_variables", None) or {}
+
+    def tensor(variable):
+        return None if variable is None else tf.identity(
+            keras.ops.convert_to_tensor(variable))
+
+    return {
+        "metrics": _metrics_result(model),
+        "counters": {key: tensor(v)
+                     for key, v in runtime.counter_variables().items()},
+        "grad_norm": tensor(window.get("grad_norm")),
+        "learning_rate": (
+            None if optimizer is None else _learning_rate_tensor(optimizer)),
+        "loss_scale": (
+            tensor(optimizer.dynamic_scale) if loss_scaled else None),
+    }
+
+
+def _reader_key(model, runtime) -> tuple:
+    """What `_read_values` reads, by identity: a recompiled model (new
+    optimizer or metrics) or a new runtime variable needs a new reader."""
+    window = getattr(model, "window_variables", None) or {}
+    return (
+        id(model), id(getattr(model, "optimizer", None)),
+        tuple(id(m) for m in getattr(model, "metrics", [])),
+        tuple(id(v) for v in runtime.counter_variables().values()),
+        id(window.get("grad_norm")),
+    )
+
+
+def _metrics_result(model) -> dict:
+    """`model.get_metrics_result()` without the metrics nothing has updated
+    yet (a hand-written loop), whose `result()` would raise."""
+    out = {}
+    for metric in getattr(model, "metrics", []):
+        if not getattr(metric, "built", True):
+            continue
+        result = metric.result()
+        if isinstance(result, dict):
+            out.update(result)
+        else:
+            out[metric.name] = result
+    return out
+
+
+def _learning_rate_tensor(optimizer):
+    try:
+        # Through LossScaleOptimizer; a schedule is evaluated at the
+        # optimizer's iterations.
+        return tf.convert_to_tensor(optimizer.learning_rate)
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def _scalar(value, kind):
+    return None if value is None else kind(np.asarray(value))
+
+
+def _memory(num_gpus: int, reset: bool) -> dict:
+    """Current and peak bytes per local GPU; `{}` without GPUs."""
+    out = {}
+    for index in range(num_gpus):
+        device = f"GPU:{index}"
+        try:
+            info = tf.config.experimental.get_memory_info(device)
+            if reset:
+                tf.config.experimental.reset_memory_stats(device)
+        except (ValueError, tf.errors.OpError):
+            continue
+        out[f"GPU{index}"] = {
+            "current_bytes": int(info["current"]),
+            "peak_bytes": int(info["peak"]),
+        }
+    return out

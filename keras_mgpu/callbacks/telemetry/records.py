@@ -1,0 +1,169 @@
+"""The records `DistributedLogger` writes: the JSONL schema, the window and
+epoch spans they measure, and the figures computed from them. Knows nothing
+of sinks, devices or workers."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Optional
+
+import numpy as np
+
+# Every JSONL line has exactly these keys, in this order; a value that cannot
+# be measured in this run is `null`.
+JSONL_KEYS = (
+    "kind",  # "window" (every `update_freq` steps), "epoch" or "resume"
+    "epoch",  # 0-based epoch index, as Keras's callbacks get it
+    "step",  # the run's global step (train batches, across resumes)
+    "steps",  # batches trained in the record
+    "resumed_after",  # epoch records of an epoch a resume began inside: the
+    #                   batches of it the interrupted run had trained (not
+    #                   counted in `steps`, `seconds`, `examples`); else null
+    "time",  # Unix time when the record closed
+    "seconds",  # wall time of the record: first batch begin to last batch done
+    "examples",  # samples trained on in the record, all replicas and workers
+    "examples_per_sec",  # examples / seconds
+    "examples_per_sec_per_replica",  # examples_per_sec / replicas
+    "step_time_mean",  # seconds / steps
+    "step_time_max",  # longest batch-begin to next-batch-begin interval
+    "input_wait",  # share of `seconds` train steps spent blocked on input
+    "input_bound",  # "no" (<= 5%), "moderately", "highly" (> 20%)
+    "learning_rate",  # the optimizer's, schedules evaluated at its iterations
+    "loss_scale",  # LossScaleOptimizer's dynamic scale, else null
+    "skipped_steps",  # optimizer steps skipped for overflow in the record
+    "grad_norm",  # GradientAccumulationModel's last applied gradient norm
+    "accum_step",  # GradientAccumulationModel's micro-batches in its window
+    "memory",  # {"GPU0": {"current_bytes", "peak_bytes"}}; {} without GPUs
+    "workers",  # training worker processes
+    "replicas",  # replicas in sync, over all workers
+    "worker_step_time",  # {"min", "mean", "max"} of step_time_mean by worker
+    "worker_examples_per_sec",  # {"min", "mean", "max"} by worker
+    "worker_input_wait",  # {"min", "mean", "max"} of input_wait by worker
+    "slowest_worker",  # rank with the largest step_time_mean
+    "metrics",  # loss and compiled metrics, global values (val_* at epochs)
+    "resume",  # resume records: {"generation", "step", "saved_replicas",
+    #            "replicas", "text"}; else null
+)
+
+
+@dataclasses.dataclass
+class _Span:
+    """A window or an epoch being measured: where it started, what it ran."""
+
+    start: Optional[dict] = None  # counters when its first batch began
+    began: Optional[float] = None  # perf_counter at its first batch begin
+    steps: int = 0  # batches trained, as predicted at each batch begin
+    step_max: float = 0.0  # longest batch interval
+    untimed: bool = False  # a batch ran without input timing
+    examples: float = 0.0  # samples counted batch by batch (hand loops)
+
+    def add(self, steps: int, start: dict, now: float, timed: bool) -> None:
+        if self.began is None:
+            self.start, self.began = start, now
+        self.steps += steps
+        self.untimed = self.untimed or not timed
+
+
+def _snapshot(counters) -> dict:
+    """The runtime's counters a span is measured between."""
+    return {
+        "step": counters.global_step,
+        "samples": counters.samples_seen,
+        "skipped": counters.updates_skipped,
+        "input_wait": counters.input_wait_seconds,
+    }
+
+
+def _measure(span: _Span, state: dict, end: float, *,
+             batch_size: Optional[int], hand_loop: bool, replicas: int,
+             loss_scaled: bool) -> dict:
+    """A span's own figures, from its start to `state` (the counters read
+    at `end`)."""
+    seconds = max(end - span.began, 1e-9)
+    start = span.start
+    # What the runtime counted once the span's calls returned: a batch
+    # begin predicts a call's batches, and the call that finds the end
+    # of data of unknown length trains fewer (none) than predicted.
+    steps = state["step"] - start["step"]
+    if batch_size is not None:
+        examples = float(batch_size * steps)
+    elif hand_loop:
+        examples = span.examples
+    elif state["samples"] is not None:
+        examples = state["samples"] - start["samples"]
+    else:
+        examples = None
+    if not examples:
+        # Batches trained that Keras's loss tracker never saw (a
+        # hand-written loop): unknown, not zero.
+        examples = None
+    per_sec = None if examples is None else examples / seconds
+    return {
+        "steps": steps,
+        "seconds": seconds,
+        "examples": examples,
+        "examples_per_sec": per_sec,
+        "examples_per_sec_per_replica": (
+            None if per_sec is None else per_sec / replicas
+        ),
+        "step_time_mean": seconds / steps if steps else None,
+        "step_time_max": span.step_max,
+        "input_wait": None if span.untimed else min(
+            (state["input_wait"] - start["input_wait"]) / seconds, 1.0),
+        "skipped_steps": (state["skipped"] - start["skipped"]
+                          if loss_scaled else None),
+    }
+
+
+def _record(kind, epoch, step, measured, common, metrics, resume=None) -> dict:
+    values = {**measured, **common, "kind": kind, "epoch": epoch,
+              "step": step, "time": time.time(), "metrics": metrics,
+              "resume": resume}
+    return {key: values.get(key) for key in JSONL_KEYS}
+
+
+def _floats(values) -> dict:
+    out = {}
+    for key, value in dict(values).items():
+        try:
+            out[key] = float(np.asarray(value))
+        except (TypeError, ValueError):
+            continue
+    return out
+
+
+def _input_bound(fraction: Optional[float]) -> Optional[str]:
+    # xprof's input-pipeline analysis: "moderately" input-bound above 5% of
+    # the step time waiting for input, "highly" above 20%.
+    if fraction is None:
+        return None
+    if fraction > 0.20:
+        return "highly"
+    return "moderately" if fraction > 0.05 else "no"
+
+
+def input_wait_summary(fraction: Optional[float]) -> str:
+    """A record's `input_wait` as the logger prints it: percent and label.
+
+    The label is the record's `input_bound`: above 5% of the step time
+    "moderately", above 20% "highly" input-bound (xprof's thresholds),
+    decided from the same number that is printed (over several workers,
+    their mean).
+
+    Args:
+        fraction: A record's `input_wait` (0 to 1), or `None` where it was
+            not measured.
+
+    Example:
+
+    >>> input_wait_summary(0.156)
+    '15.6% of step time (moderately input-bound)'
+    >>> input_wait_summary(None)
+    'n/a'
+    """
+    if fraction is None:
+        return "n/a"
+    bound = _input_bound(fraction)
+    return (f"{100 * fraction:.1f}% of step time "
+            f"({'not' if bound == 'no' else bound} input-bound)")

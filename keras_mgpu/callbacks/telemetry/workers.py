@@ -1,0 +1,68 @@
+"""Cross-worker figures of a record: each worker's row, gathered from every
+worker, and their spread."""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+from keras_mgpu.callbacks.telemetry.records import _input_bound
+
+
+def _worker_row(measured: dict) -> np.ndarray:
+    return np.array(
+        [np.nan if measured[key] is None else measured[key]
+         for key in ("step_time_mean", "examples_per_sec", "input_wait")],
+        dtype=np.float64,
+    )
+
+
+def _gather(strategy, workers: int, row: np.ndarray) -> np.ndarray:
+    """One row per worker, from every worker (a collective when > 1)."""
+    if workers == 1:
+        return row[None]
+    value = tf.constant(row[None], tf.float32)
+    distributed = strategy.experimental_distribute_values_from_function(
+        lambda _: tf.identity(value)
+    )
+    gathered = np.asarray(strategy.gather(distributed, axis=0))
+    # One row per replica, replicas numbered worker by worker.
+    return gathered.reshape(workers, -1, row.size)[:, 0]
+
+
+def _across_workers(rows: np.ndarray) -> dict:
+    step_time, per_sec, waited = rows[:, 0], rows[:, 1], rows[:, 2]
+
+    def spread(values):
+        if np.isnan(values).any():
+            return None
+        return {"min": float(values.min()), "mean": float(values.mean()),
+                "max": float(values.max())}
+
+    return {
+        "worker_step_time": spread(step_time),
+        # Every worker's examples/s is the global figure measured over its
+        # own clock, divided by the number of workers.
+        "worker_examples_per_sec": spread(per_sec / len(rows)),
+        "worker_input_wait": spread(waited),
+        "input_wait": (
+            None if np.isnan(waited).any() else float(waited.mean())
+        ),
+        # From the mean, the figure reported beside it: one rule for every
+        # record. The most input-bound worker is in worker_input_wait.
+        "input_bound": (
+            None if np.isnan(waited).any() else _input_bound(
+                float(waited.mean()))
+        ),
+        "slowest_worker": int(np.argmax(step_time)),
+    }
+
+
+def _spread_over_workers(strategy, workers: int, measured: list) -> None:
+    """Adds the cross-worker figures to each of `measured` (a window, and
+    the epoch at its end): one gather for all of them."""
+    rows = [_worker_row(m) for m in measured]
+    gathered = _gather(strategy, workers, np.concatenate(rows))
+    width = rows[0].size
+    for i, m in enumerate(measured):
+        m.update(_across_workers(gathered[:, i * width:(i + 1) * width]))
