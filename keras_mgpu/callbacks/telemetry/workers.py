@@ -4,8 +4,8 @@ worker, and their spread."""
 from __future__ import annotations
 
 import numpy as np
-import tensorflow as tf
 
+from keras_mgpu import _collectives
 from keras_mgpu.callbacks.telemetry.records import _input_bound
 
 
@@ -15,19 +15,6 @@ def _worker_row(measured: dict) -> np.ndarray:
          for key in ("step_time_mean", "examples_per_sec", "input_wait")],
         dtype=np.float64,
     )
-
-
-def _gather(strategy, workers: int, row: np.ndarray) -> np.ndarray:
-    """One row per worker, from every worker (a collective when > 1)."""
-    if workers == 1:
-        return row[None]
-    value = tf.constant(row[None], tf.float32)
-    distributed = strategy.experimental_distribute_values_from_function(
-        lambda _: tf.identity(value)
-    )
-    gathered = np.asarray(strategy.gather(distributed, axis=0))
-    # One row per replica, replicas numbered worker by worker.
-    return gathered.reshape(workers, -1, row.size)[:, 0]
 
 
 def _across_workers(rows: np.ndarray) -> dict:
@@ -62,7 +49,8 @@ def _spread_over_workers(strategy, workers: int, measured: list) -> None:
     """Adds the cross-worker figures to each of `measured` (a window, and
     the epoch at its end): one gather for all of them."""
     rows = [_worker_row(m) for m in measured]
-    gathered = _gather(strategy, workers, np.concatenate(rows))
+    gathered = _collectives.gather_rows(strategy, np.concatenate(rows),
+                                        workers)
     width = rows[0].size
     for i, m in enumerate(measured):
         m.update(_across_workers(gathered[:, i * width:(i + 1) * width]))
