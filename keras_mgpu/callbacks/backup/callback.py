@@ -33,14 +33,14 @@ from keras_mgpu.callbacks.backup.restore import Restored, restore_latest
 from keras_mgpu.callbacks.backup.schedule import SaveSchedule
 from keras_mgpu.callbacks.backup.snapshot import HostSnapshot
 from keras_mgpu.callbacks.backup.store import GenerationStore
-from keras_mgpu.runtime import training_runtime
+from keras_mgpu.runtime import TrainingRuntime, training_runtime
 
 
 @dataclasses.dataclass(frozen=True)
 class _Fit:
     """Who takes part in the `fit` now running, and where it saves."""
 
-    runtime: object  # keras_mgpu.runtime.TrainingRuntime
+    runtime: TrainingRuntime
     strategy: tf.distribute.Strategy
     chief: bool
     multi_worker: bool
