@@ -49,7 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras_mgpu  # noqa: E402  (sets KERAS_BACKEND before keras loads)
-from keras_mgpu.callbacks import backup_and_restore as ours_lib  # noqa: E402
+from keras_mgpu.callbacks import BackupAndRestore  # noqa: E402
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -74,7 +74,7 @@ class TimedKerasBackup(keras.callbacks.BackupAndRestore):
         self.save_seconds.append(time.perf_counter() - start)
 
 
-class TimedBackup(ours_lib.BackupAndRestore):
+class TimedBackup(BackupAndRestore):
     """keras-mgpu's callback, timing each save's stall of the training
     thread and its background write."""
 

@@ -1268,9 +1268,9 @@ def part_overheads(rec: _Recorder, dry_run: bool, budget_s: float) -> None:
     from _timing import EpochTimer
     from keras_mgpu import GradientAccumulationModel
     from keras_mgpu.callbacks import DistributedLogger
-    from keras_mgpu.callbacks import backup_and_restore
+    from keras_mgpu.callbacks import BackupAndRestore
 
-    class TimedBackup(backup_and_restore.BackupAndRestore):
+    class TimedBackup(BackupAndRestore):
         """Counts saves and times the training thread's stall in each (as
         benchmarks/checkpoint.py does)."""
 

@@ -47,8 +47,7 @@ from keras_mgpu import data as data_lib
 from keras_mgpu import launcher
 from keras_mgpu import strategy as strategy_lib
 from keras_mgpu.accumulation import GradientAccumulationModel
-from keras_mgpu.callbacks.backup_and_restore import BackupAndRestore
-from keras_mgpu.callbacks.callback_state import register_callback_state
+from keras_mgpu.callbacks.backup import BackupAndRestore, register_callback_state
 # Registered for loading on `import keras_mgpu`, which needs no keras-tuner;
 # re-exported here, where it has always been importable from.
 from keras_mgpu.schedules import ScaledSchedule  # noqa: F401

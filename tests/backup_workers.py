@@ -30,7 +30,8 @@ def train(backup_dir, preset="preemptible", save_freq=4, accum_steps=None,
     import keras
     import tensorflow as tf
 
-    from keras_mgpu.callbacks import BackupAndRestore, _backup_store
+    from keras_mgpu.callbacks import BackupAndRestore
+    from keras_mgpu.callbacks.backup import store as _backup_store
     from tests import workers
 
     write = _backup_store._write_file
@@ -86,7 +87,7 @@ def train(backup_dir, preset="preemptible", save_freq=4, accum_steps=None,
             # Hold still at this step until the test's signal arrives: a
             # SIGKILL ends the process here, a SIGTERM (handled by the
             # backup) lets it go on to save and exit.
-            backup._sigterm.wait(timeout=workers.HOLD_SECONDS)
+            backup._preemption.requested.wait(timeout=workers.HOLD_SECONDS)
         epoch_step[0] += 1
 
     backup = BackupAndRestore.from_preset(preset, backup_dir,
@@ -243,7 +244,7 @@ def _hold_the_store_at(stage, generation):
     """Wraps the store's stage functions (see `train_steps`)."""
     import threading
 
-    from keras_mgpu.callbacks import _backup_store as store
+    from keras_mgpu.callbacks.backup import store
     from tests import workers
 
     def hold():

@@ -13,8 +13,9 @@ import keras
 import tensorflow as tf
 
 from keras_mgpu.callbacks import (RESTART_EXIT_CODE, RETRIED_EXIT_CODES,
-                                  BackupAndRestore, backup_and_restore,
-                                  list_presets)
+                                  BackupAndRestore, list_presets)
+from keras_mgpu.callbacks.backup import generation as generation_lib
+from keras_mgpu.callbacks.backup import writer
 from tests import backup_workers, workers
 
 
@@ -74,7 +75,7 @@ def test_sigkill_at_several_steps_resumes_exactly(run_workers, uninterrupted,
     for kill_at in (5, 13, 19):
         results = run(run_workers, backup_dir, kill_at=kill_at, **kwargs)
         assert results[0].killed and results[0].returncode == -signal.SIGKILL
-        assert backup_and_restore._generations(str(backup_dir))
+        assert generation_lib.generations(str(backup_dir))
     resumed = run(run_workers, backup_dir, **kwargs)[0]
     assert resumed.result["iterations"] == full["iterations"] == 9
     assert max_diff(resumed.result["weights"], full["weights"]) <= 1e-6
@@ -167,7 +168,7 @@ def test_kill_during_an_asynchronous_write_falls_back_to_the_last_commit(
     assert "HOLDING variables.npz;" in results[0].stdout
     entries = os.listdir(backup_dir)
     assert any(e.startswith(".tmp-") for e in entries), entries
-    assert backup_and_restore._generations(str(backup_dir)) == [2, 1]
+    assert generation_lib.generations(str(backup_dir)) == [2, 1]
     resumed = run(run_workers, backup_dir, **kwargs)[0]
     assert resumed.result["iterations"] == full["iterations"]
     assert max_diff(resumed.result["weights"], full["weights"]) <= 1e-6
@@ -189,7 +190,7 @@ def test_sigterm_saves_and_exits_with_the_restart_code(
     assert results[0].returncode == RESTART_EXIT_CODE == list_presets()[
         "preemptible"]["exit_code"]
     assert "SIGTERM received; saved generation 1" in results[0].stderr
-    assert backup_and_restore._generations(str(backup_dir)) == [1]
+    assert generation_lib.generations(str(backup_dir)) == [1]
     resumed = run(run_workers, backup_dir, save_freq=1000)[0]
     assert resumed.result["iterations"] == full["iterations"] == 24
     assert max_diff(resumed.result["weights"], full["weights"]) <= 1e-6
@@ -206,7 +207,7 @@ def test_multi_worker_kill_and_restart_matches_uninterrupted(
                      "TF_CPP_MIN_LOG_LEVEL": "2"}
     results = run(run_workers, backup_dir, num_workers=2, kill_at=9, env=env)
     assert all(r.killed for r in results)
-    assert backup_and_restore._generations(str(backup_dir))
+    assert generation_lib.generations(str(backup_dir))
     resumed = run(run_workers, backup_dir, num_workers=2, env=env)
     for r in resumed:
         assert r.result["iterations"] == full["iterations"] == 24
@@ -241,8 +242,8 @@ def test_corrupt_newest_generation_falls_back_with_a_warning(tmp_path):
     backup_dir = str(tmp_path / "b")
     fit_in_process(BackupAndRestore(backup_dir, save_freq=8, keep=3),
                    crash_at=20)
-    assert backup_and_restore._generations(backup_dir) == [2, 1]
-    newest = backup_and_restore._generation_dir(backup_dir, 2)
+    assert generation_lib.generations(backup_dir) == [2, 1]
+    newest = generation_lib.generation_dir(backup_dir, 2)
     with open(os.path.join(newest, "weights.weights.h5"), "r+b") as f:
         f.truncate(100)
     full, _ = fit_in_process(BackupAndRestore(str(tmp_path / "full")))
@@ -262,7 +263,7 @@ def two_generations(tmp_path_factory):
     backup_dir = str(root / "b")
     fit_in_process(BackupAndRestore(backup_dir, save_freq=8,
                                     double_checkpoint=True), crash_at=20)
-    assert backup_and_restore._generations(backup_dir) == [2, 1]
+    assert generation_lib.generations(backup_dir) == [2, 1]
     full, _ = fit_in_process(BackupAndRestore(str(root / "full")))
     return backup_dir, full.get_weights()
 
@@ -361,7 +362,7 @@ def test_every_kind_of_damage_is_detected(two_generations, tmp_path, capsys,
     saved, full = two_generations
     backup_dir = str(tmp_path / "b")
     shutil.copytree(saved, backup_dir)
-    _DAMAGE[damage](backup_and_restore._generation_dir(backup_dir, 2))
+    _DAMAGE[damage](generation_lib.generation_dir(backup_dir, 2))
     with pytest.warns(UserWarning, match=(
             f"generation 2 in {backup_dir} is unusable .*; falling back "
             "to generation 1")):
@@ -385,7 +386,7 @@ def test_a_kill_before_the_first_commit_leaves_no_backup_yet(tmp_path,
         str(backup_dir), save_freq=4, delete_checkpoint=False), epochs=1)
     assert int(model.optimizer.iterations.numpy()) == 8
     assert not [w for w in recwarn if "unusable" in str(w.message)]
-    assert backup_and_restore._generations(str(backup_dir)) == [2]
+    assert generation_lib.generations(str(backup_dir)) == [2]
 
 
 def test_a_generation_without_its_manifest_is_a_leftover_not_damage(
@@ -418,17 +419,17 @@ def test_keep_bounds_generations_and_success_deletes(tmp_path):
     kept = str(tmp_path / "kept")
     fit_in_process(BackupAndRestore(kept, save_freq=2, keep=2,
                                     delete_checkpoint=False))
-    assert backup_and_restore._generations(kept) == [12, 11]  # 24 / 2 saves
+    assert generation_lib.generations(kept) == [12, 11]  # 24 / 2 saves
     only = str(tmp_path / "only")
     fit_in_process(BackupAndRestore(only, save_freq=2, keep=1), crash_at=7)
-    assert backup_and_restore._generations(only) == [3]
+    assert generation_lib.generations(only) == [3]
     # Keras's defaults: one generation; double_checkpoint=True: two.
     single = str(tmp_path / "single")
     fit_in_process(BackupAndRestore(single, save_freq=2), crash_at=7)
-    assert backup_and_restore._generations(single) == [3]
+    assert generation_lib.generations(single) == [3]
     double = str(tmp_path / "double")
     fit_in_process(BackupAndRestore(double, 2, True), crash_at=7)
-    assert backup_and_restore._generations(double) == [3, 2]
+    assert generation_lib.generations(double) == [3, 2]
     deleted = str(tmp_path / "deleted")
     fit_in_process(BackupAndRestore(deleted, save_freq=2))
     assert not os.path.exists(deleted)
@@ -439,7 +440,7 @@ def test_ram_filesystem(tmp_path):
     full, _ = fit_in_process(BackupAndRestore(str(tmp_path / "full")))
     fit_in_process(BackupAndRestore(backup_dir, save_freq=5,
                                     double_checkpoint=True), crash_at=14)
-    assert backup_and_restore._generations(backup_dir) == [2, 1]
+    assert generation_lib.generations(backup_dir) == [2, 1]
     model, history = fit_in_process(BackupAndRestore(backup_dir))
     assert len(history.history["loss"]) == 2
     assert max_diff(model.get_weights(), full.get_weights()) <= 1e-6
@@ -485,7 +486,7 @@ def _rewrite_state(backup_dir, number, **changes):
     """Changes generation `number`'s state.json and re-signs its manifest."""
     import hashlib
 
-    generation = backup_and_restore._generation_dir(backup_dir, number)
+    generation = generation_lib.generation_dir(backup_dir, number)
     state_path = os.path.join(generation, "state.json")
     state = json.load(open(state_path))
     state.update(changes)
@@ -517,7 +518,7 @@ def test_a_format_2_backup_still_resumes(tmp_path):
     stopper = keras.callbacks.EarlyStopping("loss", patience=50)
     fit_in_process(BackupAndRestore(backup_dir, save_freq=8),
                    crash_at=20, extra_callbacks=[stopper])
-    newest = backup_and_restore._generations(backup_dir)[0]
+    newest = generation_lib.generations(backup_dir)[0]
     _rewrite_state(backup_dir, newest, format=2, callbacks=[
         {"class": "EarlyStopping",
          "values": {"wait": 7, "stopped_epoch": 0, "best": 0.25,
@@ -634,7 +635,7 @@ def test_pruning_and_cleanup_never_follow_links(tmp_path):
     assert (older / "MANIFEST.json").exists()
     assert (scratch / "keep.txt").read_text() == "not backup_dir's"
     assert not any(p.is_symlink() for p in backup_dir.iterdir())
-    assert backup_and_restore._generations(str(backup_dir)) == [9]
+    assert generation_lib.generations(str(backup_dir)) == [9]
 
     # The next run resumes from generation 9, finishes, and deletes its
     # backups: the link among them goes, its target stays.
@@ -684,7 +685,7 @@ def corrupt_generations(backup_dir, model, x, y):
     model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[
         BackupAndRestore(str(backup_dir), save_freq=2, double_checkpoint=True,
                          delete_checkpoint=False)])
-    numbers = backup_and_restore._generations(str(backup_dir))
+    numbers = generation_lib.generations(str(backup_dir))
     for number in numbers:
         path = backup_dir / f"gen-{number:08d}" / "weights.weights.h5"
         path.write_bytes(path.read_bytes()[:100])
@@ -725,13 +726,13 @@ def test_a_rerun_past_the_last_epoch_keeps_the_backups(tmp_path):
     backup_dir = tmp_path / "backup"
     model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[
         BackupAndRestore(str(backup_dir), delete_checkpoint=False)])
-    saved = backup_and_restore._generations(str(backup_dir))
+    saved = generation_lib.generations(str(backup_dir))
     with pytest.warns(UserWarning, match=r"at epoch 2, but fit\(epochs=2\) "
                       "ends before it: nothing is trained and the backups "
                       "are kept"):
         model.fit(x, y, batch_size=16, epochs=2, verbose=0,
                   callbacks=[BackupAndRestore(str(backup_dir))])
-    assert backup_and_restore._generations(str(backup_dir)) == saved
+    assert generation_lib.generations(str(backup_dir)) == saved
     assert int(model.optimizer.iterations.numpy()) == 8
 
 
@@ -754,12 +755,12 @@ def test_presets_exit_with_a_code_the_job_runners_rerun(preset, scheduler):
 def test_docs_show_the_exit_code_table_as_the_data_says():
     from pathlib import Path
 
-    from keras_mgpu.callbacks import _exit_codes
+    from keras_mgpu.callbacks.backup import exit_codes as _exit_codes
 
     docs = (Path(__file__).parents[1] / "docs" / "backup.md").read_text()
     assert _exit_codes.exit_code_table() in docs, (
         "docs/backup.md's exit-code table differs from RETRIED_EXIT_CODES; "
-        "paste keras_mgpu.callbacks._exit_codes.exit_code_table() there.")
+        "paste keras_mgpu.callbacks.backup.exit_codes.exit_code_table() there.")
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -793,7 +794,7 @@ def test_saves_and_restores_without_a_usable_tmpdir(tmp_path, monkeypatch):
     full, _ = fit_in_process(BackupAndRestore(str(tmp_path / "full")))
     backup_dir = str(tmp_path / "backup")
     fit_in_process(BackupAndRestore(backup_dir, save_freq=4), crash_at=13)
-    assert backup_and_restore._generations(backup_dir)
+    assert generation_lib.generations(backup_dir)
     resumed, _ = fit_in_process(BackupAndRestore(backup_dir, save_freq=4))
     assert int(resumed.optimizer.iterations.numpy()) == 24
     assert max_diff(resumed.get_weights(), full.get_weights()) <= 1e-6
@@ -835,7 +836,7 @@ def test_a_save_to_a_full_backup_dir_stops_clearly_and_keeps_the_last(
 
     first = run_script("roomy", 1)
     assert "finished" in first.stdout, first.stderr[-3000:]
-    saved = backup_and_restore._generations(str(backup_dir))
+    saved = generation_lib.generations(str(backup_dir))
     assert saved == [2, 1]
     for attempt in range(2):  # a restart fails the same way, and says so
         failed = run_script("full", 2)
@@ -844,7 +845,7 @@ def test_a_save_to_a_full_backup_dir_stops_clearly_and_keeps_the_last(
                 f"{backup_dir}/.tmp-3-") in failed.stderr
         assert "File too large" in failed.stderr
         assert "Generation 2 is intact" in failed.stderr
-        assert backup_and_restore._generations(str(backup_dir)) == saved
+        assert generation_lib.generations(str(backup_dir)) == saved
         assert not [p for p in os.listdir(backup_dir) if p.startswith(".tmp")]
     finished = run_script("roomy", 2)
     assert "finished" in finished.stdout, finished.stderr[-3000:]
@@ -1199,14 +1200,14 @@ def test_each_save_is_the_state_of_its_step_while_training_goes_on(
                 release.release()  # the one write in flight may go on
             return super()._finish_write()
 
-    original_write = backup_and_restore._Write
+    original_write = writer.BackgroundWrite
 
     def start_write(*args):
         overlaps.append([t.name for t in threading.enumerate()
                          if t.name == "keras-mgpu-backup-write"])
         return original_write(*args)
 
-    monkeypatch.setattr(backup_and_restore, "_Write", start_write)
+    monkeypatch.setattr(writer, "BackgroundWrite", start_write)
     reference = {}  # global step -> Keras's save_weights, same moment
 
     class Reference(keras.callbacks.Callback):
@@ -1223,11 +1224,11 @@ def test_each_save_is_the_state_of_its_step_while_training_goes_on(
               callbacks=[Held(str(backup_dir), save_freq=2, keep=100,
                               delete_checkpoint=False), Reference()])
     assert overlaps == [[]] * 8  # 16 steps / 2, none started beside another
-    generations = backup_and_restore._generations(str(backup_dir))
+    generations = generation_lib.generations(str(backup_dir))
     assert generations == list(range(8, 0, -1))
     kernel = "layers/dense/vars/0"
     for number in generations:
-        state, files = backup_and_restore._read_generation(
+        state, files = generation_lib.read_generation(
             str(backup_dir), number)
         step = state["runtime"]["global_step"]
         assert step == 2 * number
@@ -1252,7 +1253,8 @@ _CRASH_WITH_A_WRITE_IN_FLIGHT = r"""
 import sys
 import threading
 import keras
-from keras_mgpu.callbacks import BackupAndRestore, _backup_store
+from keras_mgpu.callbacks import BackupAndRestore
+from keras_mgpu.callbacks.backup import store as _backup_store
 from tests import workers
 
 # The write of the step-4 generation is held until the exception that ends
@@ -1296,12 +1298,12 @@ def test_an_exception_in_fit_lets_the_write_in_flight_commit(tmp_path):
     assert "RuntimeError: crash" in crashed.stderr
     assert "UNCAUGHT" in crashed.stdout
     # The process waited for the write of the step-4 save before it ended.
-    assert backup_and_restore._generations(str(backup_dir)) == [2]
+    assert generation_lib.generations(str(backup_dir)) == [2]
     assert not [p for p in os.listdir(backup_dir) if p.startswith(".tmp")]
     # Released as the process exited: a rerun has no dead owner to take
     # over from (and says nothing about one).
     assert not (backup_dir / "LOCK.json").exists()
-    state, _ = backup_and_restore._read_generation(str(backup_dir), 2)
+    state, _ = generation_lib.read_generation(str(backup_dir), 2)
     assert state["runtime"]["global_step"] == 4
     resumed, _ = fit_in_process(BackupAndRestore(str(backup_dir)), epochs=2)
     full, _ = fit_in_process(BackupAndRestore(str(tmp_path / "full")),

@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from keras_mgpu.callbacks import backup_and_restore
+from keras_mgpu.callbacks.backup import generation as generation_lib
 from tests import backup_workers
 
 
@@ -83,7 +83,7 @@ def test_a_kill_at_each_stage_of_a_commit_resumes_from_the_last_commit(
         assert code == -signal.SIGKILL, (hold, lines)
         assert f"HELD {hold[0]} {hold[1]};" in lines
         assert resumed_from(lines) == expected_resume, (hold, lines)
-        assert backup_and_restore._generations(backup_dir) == committed
+        assert generation_lib.generations(backup_dir) == committed
         expected_resume = resume
     code, lines = forks.run(backup_dir=backup_dir,
                             result=str(tmp_path / "resumed.npz"), **kwargs)
@@ -113,7 +113,7 @@ def test_twenty_kills_at_random_points_of_per_step_saves(forks, tmp_path):
     # Where kills landed (timing decides it), for the record.
     cut_short = {"staged": 0, "uncommitted": 0, "unpruned": 0}
     for kill in range(20):
-        committed = backup_and_restore._generations(backup_dir)
+        committed = generation_lib.generations(backup_dir)
         steps = []  # (step, when its marker arrived)
         fraction = rng.random()
 
@@ -136,10 +136,10 @@ def test_twenty_kills_at_random_points_of_per_step_saves(forks, tmp_path):
         gens = [n for n in names if n.startswith("gen-")]
         cut_short["staged"] += any(n.startswith(".tmp-") for n in names)
         cut_short["uncommitted"] += len(gens) > len(
-            backup_and_restore._generations(backup_dir))
+            generation_lib.generations(backup_dir))
         cut_short["unpruned"] += len(
-            backup_and_restore._generations(backup_dir)) > 1
-    committed = backup_and_restore._generations(backup_dir)
+            generation_lib.generations(backup_dir)) > 1
+    committed = generation_lib.generations(backup_dir)
     code, lines = forks.run(backup_dir=backup_dir,
                             result=str(tmp_path / "resumed.npz"), **kwargs)
     if code != 0:

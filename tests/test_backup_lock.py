@@ -15,8 +15,8 @@ import warnings
 
 import pytest
 
-from keras_mgpu.callbacks import _backup_lock
-from keras_mgpu.callbacks._backup_lock import (HEARTBEAT_SECONDS, LOCK_NAME,
+from keras_mgpu.callbacks.backup import lock as _backup_lock
+from keras_mgpu.callbacks.backup.lock import (HEARTBEAT_SECONDS, LOCK_NAME,
                                                BackupDirInUse, OwnerLock)
 
 TIMEOUT = 60

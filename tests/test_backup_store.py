@@ -12,8 +12,8 @@ import os
 
 import pytest
 
-from keras_mgpu.callbacks import _backup_store
-from keras_mgpu.callbacks._backup_store import (CorruptGeneration,
+from keras_mgpu.callbacks.backup import store as _backup_store
+from keras_mgpu.callbacks.backup.store import (CorruptGeneration,
                                                 GenerationStore, WriteFailed)
 
 FILES = {"a.bin": b"alpha" * 100, "state.json": b'{"step": 1}'}

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from keras_mgpu.callbacks import BackupAndRestore, register_callback_state
-from keras_mgpu.callbacks import callback_state
+from keras_mgpu.callbacks.backup import state as callback_state
 from tests import workers
 from tests.test_backup_keras_scenarios import (InterruptingCallback, X, Y,
                                                make_model, max_diff)

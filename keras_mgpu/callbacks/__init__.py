@@ -1,11 +1,11 @@
 """Distributed-aware Keras callbacks."""
 
-from keras_mgpu.callbacks.backup_and_restore import RESTART_EXIT_CODE  # noqa: F401
-from keras_mgpu.callbacks.backup_and_restore import RETRIED_EXIT_CODES  # noqa: F401
-from keras_mgpu.callbacks.backup_and_restore import BackupAndRestore  # noqa: F401
-from keras_mgpu.callbacks.backup_and_restore import BackupDirInUse  # noqa: F401
-from keras_mgpu.callbacks.backup_and_restore import list_presets  # noqa: F401
-from keras_mgpu.callbacks.callback_state import register_callback_state  # noqa: F401
+from keras_mgpu.callbacks.backup import RESTART_EXIT_CODE  # noqa: F401
+from keras_mgpu.callbacks.backup import RETRIED_EXIT_CODES  # noqa: F401
+from keras_mgpu.callbacks.backup import BackupAndRestore  # noqa: F401
+from keras_mgpu.callbacks.backup import BackupDirInUse  # noqa: F401
+from keras_mgpu.callbacks.backup import list_presets  # noqa: F401
+from keras_mgpu.callbacks.backup import register_callback_state  # noqa: F401
 from keras_mgpu.callbacks.telemetry import JSONL_KEYS  # noqa: F401
 from keras_mgpu.callbacks.telemetry import LogDirInUse  # noqa: F401
 from keras_mgpu.callbacks.telemetry import DistributedLogger  # noqa: F401

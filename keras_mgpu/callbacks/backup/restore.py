@@ -1,0 +1,118 @@
+"""The restore at the start of `fit`: the newest usable generation, checked
+against this model and loaded into it and the runtime."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import warnings
+from typing import Optional
+
+import numpy as np
+import tensorflow as tf
+
+from keras_mgpu import compat
+from keras_mgpu.callbacks._console import print_msg
+from keras_mgpu.callbacks.backup import agreement, generation
+from keras_mgpu.callbacks.backup.compatibility import (check_compatible,
+                                                      unsaved_variables)
+
+
+@dataclasses.dataclass
+class Restored:
+    """What a restore leaves for later in the `fit`."""
+
+    # The other callbacks' states, applied when the first epoch begins.
+    callback_states: Optional[list] = None
+    # The backup is at or past the last epoch: kept at the end of `fit`.
+    keep_backups: bool = False
+
+
+def restore_latest(model, fit, backup_dir: str, params: Optional[dict], *,
+                   restart_if_unusable: bool) -> Restored:
+    """Restores `model` and `fit.runtime` from the newest usable generation
+    in `fit.store`, falling back past unusable ones with a warning; nothing
+    if there is none. `fit`: who takes part (`runtime`, `strategy`, `chief`,
+    `multi_worker`, `store`)."""
+    store = fit.store
+    if fit.chief and tf.io.gfile.exists(backup_dir):
+        # What killed saves left: uncommitted, so never read.
+        store.remove_leftovers()
+    found = store.latest_usable(generation.REQUIRED,
+                                validate=generation.parse_state)
+    chosen, state, files = found.number, found.value, found.files
+    unusable = [f"generation {n} ({why})" for n, why in found.unusable]
+    fallbacks = [n for n, _ in found.unusable[1:]] + [chosen]
+    for (number, why), fallback in zip(found.unusable, fallbacks):
+        if fallback is not None:
+            warnings.warn(
+                f"BackupAndRestore: generation {number} in "
+                f"{backup_dir} is unusable ({why}); falling back "
+                f"to generation {fallback}.",
+                stacklevel=2,
+            )
+    if fit.multi_worker:
+        agreement.check_same_generation(fit.strategy, chosen or 0, backup_dir)
+    restored = Restored()
+    if chosen is None:
+        if unusable:
+            _all_unusable(backup_dir, unusable, restart_if_unusable)
+        return restored
+    check_compatible(model, state, f"generation {chosen} in {backup_dir}",
+                     files)
+    if not model.built:
+        raise ValueError(
+            f"Cannot restore from {backup_dir}: the model is not "
+            "built. Build it (e.g. give it a keras.Input) before fit()."
+        )
+    if model.optimizer is not None and not model.optimizer.built:
+        model.optimizer.build(model.trainable_variables)
+    # The bytes verified above, not the file read again: no TMPDIR
+    # needed either.
+    compat.load_weights_file(model, files[generation.WEIGHTS])
+    with np.load(io.BytesIO(files[generation.EXTRA])) as extra:
+        for i, variable in enumerate(unsaved_variables(model)):
+            variable.assign(extra[f"arr_{i}"])
+    epochs = (params or {}).get("epochs")
+    if epochs is not None and state["epoch"] >= epochs:
+        # fit would train nothing, and then delete the only record of
+        # the run as if it had finished.
+        restored.keep_backups = True
+        warnings.warn(
+            f"BackupAndRestore: the backup in {backup_dir} "
+            f"(generation {chosen}) is at epoch {state['epoch']}, but "
+            f"fit(epochs={epochs}) ends before it: nothing is trained and "
+            "the backups are kept. Raise epochs to continue that run, or "
+            "use a new backup_dir to start another.",
+            stacklevel=3,
+        )
+    compat.set_initial_epoch(model, state["epoch"])
+    fit.runtime.resume(state["runtime"], generation=chosen,
+                       epoch=state["epoch"],
+                       step_in_epoch=state["step_in_epoch"])
+    restored.callback_states = state["callbacks"]
+    if fit.chief:
+        # Epochs counted as Keras's progress bar counts them; the step is
+        # the batches of that epoch already trained.
+        print_msg(
+            f"BackupAndRestore: resumed from backup generation {chosen} "
+            f"at epoch {state['epoch'] + 1}, step "
+            f"{state['step_in_epoch']} ({backup_dir})"
+        )
+    return restored
+
+
+def _all_unusable(backup_dir: str, unusable: list,
+                  restart_if_unusable: bool) -> None:
+    message = (
+        f"Every backup generation in {backup_dir} is unusable: "
+        f"{'; '.join(unusable)}."
+    )
+    if not restart_if_unusable:
+        raise RuntimeError(
+            f"{message} Nothing was restored and nothing was deleted. To "
+            "train from the start, pass restart_if_unusable=True or use a "
+            "new backup_dir."
+        )
+    warnings.warn(f"BackupAndRestore: {message} Training from the start "
+                  "(restart_if_unusable=True).", stacklevel=3)

@@ -1,0 +1,42 @@
+"""The training state copied into host memory, the only part of a save
+that stalls training."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from keras_mgpu import compat
+from keras_mgpu.callbacks.backup.compatibility import unsaved_variables
+
+
+class HostSnapshot:
+    """The model's variables in host memory, read into the same arrays at
+    each save (one copy from the first save to the end of `fit`)."""
+
+    def __init__(self):
+        self._layout = None
+        self._weights = None
+
+    def forget_layout(self) -> None:
+        """Walk the model again at the next read: a recompile or a new
+        optimizer changes where the values are."""
+        self._layout = None
+
+    def read(self, model) -> tuple:
+        """(what `save_weights` writes, the RNG states it leaves out).
+
+        Collectives under MultiWorkerMirroredStrategy (replica-local
+        variables are all-reduced on read): every worker reads, in this
+        order.
+        """
+        if self._layout is None:
+            self._layout = compat.weights_layout(model)
+            self._weights = None
+        # Into the previous save's arrays: its write has finished.
+        self._weights = self._layout.read(into=self._weights)
+        extra = [np.asarray(v.numpy()) for v in unsaved_variables(model)]
+        return self._weights, extra
+
+    def free(self) -> None:
+        """Drops the arrays: host memory the size of the saved state."""
+        self._weights = None
