@@ -3,21 +3,14 @@ to restore, whether to stop for a SIGTERM save)."""
 
 from __future__ import annotations
 
-import tensorflow as tf
-
+from keras_mgpu import _collectives
 from keras_mgpu import strategy as strategy_lib
 
 
 def sum_over_workers(strategy, value: float) -> float:
-    """A real all-reduce of one number across every replica."""
-    per_replica = strategy.run(
-        lambda: tf.distribute.get_replica_context().all_reduce(
-            tf.distribute.ReduceOp.SUM, tf.constant(value, tf.float32)
-        )
-    )
-    total = strategy.experimental_local_results(per_replica)[0].numpy()
-    # Each worker's value was contributed by each of its local replicas.
-    return float(total) / len(strategy.extended.worker_devices)
+    """The sum of one number over every worker (a collective when > 1)."""
+    return _collectives.sum_over_workers(strategy, value,
+                                         strategy_lib.num_workers())
 
 
 def check_same_generation(strategy, number: int, backup_dir: str) -> None:

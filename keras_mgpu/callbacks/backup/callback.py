@@ -18,7 +18,7 @@ import tensorflow as tf
 
 from keras_mgpu import compat
 from keras_mgpu import strategy as strategy_lib
-from keras_mgpu.callbacks._console import print_msg
+from keras_mgpu._version import __version__
 from keras_mgpu.callbacks.backup import generation, writer
 from keras_mgpu.callbacks.backup import state as callback_state
 from keras_mgpu.callbacks.backup.compatibility import (fingerprint,
@@ -428,7 +428,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         callbacks, callback_arrays = callback_state.snapshot(fit.siblings)
         state = {
             "format": generation.FORMAT_VERSION,
-            "keras_mgpu_version": generation.version(),
+            "keras_mgpu_version": __version__,
             "epoch": epoch,
             "step_in_epoch": step_in_epoch,
             "runtime": runtime_state,

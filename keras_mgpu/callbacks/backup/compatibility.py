@@ -11,8 +11,8 @@ import json
 import keras
 import numpy as np
 
-from keras_mgpu.callbacks.backup.generation import (EXTRA, READABLE_FORMATS,
-                                                   version)
+from keras_mgpu._version import __version__
+from keras_mgpu.callbacks.backup.generation import EXTRA, READABLE_FORMATS
 
 
 def check_compatible(model, state: dict, where: str, files: dict) -> None:
@@ -22,7 +22,7 @@ def check_compatible(model, state: dict, where: str, files: dict) -> None:
         raise ValueError(
             f"The backup ({where}) was written by keras-mgpu "
             f"{state.get('keras_mgpu_version')} in format "
-            f"{state.get('format')}; this keras-mgpu ({version()}) reads "
+            f"{state.get('format')}; this keras-mgpu ({__version__}) reads "
             f"formats {' and '.join(map(str, READABLE_FORMATS))}. Resume "
             "with that version, or use a new backup_dir. The backup was "
             "left untouched."

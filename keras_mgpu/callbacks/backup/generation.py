@@ -137,9 +137,3 @@ def read_generation(directory: str, number: int):
     files = GenerationStore(directory).read(number, REQUIRED)
     return parse_state(files), {k: v for k, v in files.items()
                                 if k != STATE}
-
-
-def version() -> str:
-    import keras_mgpu
-
-    return keras_mgpu.__version__
