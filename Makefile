@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 ID := $(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 LOGDIR ?= runs/demo/logs
 
-.PHONY: demo test matrix tensorboard wheel venv clean
+.PHONY: demo test check matrix tensorboard wheel venv clean
 
 $(PY):
 	@$(PYTHON) -c 'import sys; sys.exit("keras-mgpu needs Python 3.10+, found " + sys.version.split()[0]) if sys.version_info < (3, 10) else None'
@@ -27,6 +27,16 @@ demo: $(VENV)/.installed-demo-$(ID)
 
 test: $(VENV)/.installed-test-$(ID)
 	$(PY) -m pytest -n 2 --dist loadfile $(PYTEST_ARGS)
+
+# The fast tier: the unit tests of the pieces that need no training run (the
+# backup's store, lock and state, compat's checks and registry, the command
+# line, strategy and cluster parsing, the import graph, the docstrings).
+CHECK_TESTS := tests/test_backup_store.py tests/test_backup_lock.py \
+	tests/test_callback_state.py tests/test_compat.py tests/test_cli.py \
+	tests/test_strategy.py tests/test_collectives.py tests/test_imports.py \
+	tests/test_docstrings.py
+check: $(VENV)/.installed-test-$(ID)
+	$(PY) -m pytest -n 2 --dist loadfile -k "not end_to_end" $(CHECK_TESTS) $(PYTEST_ARGS)
 
 # The distribution-critical tests on the oldest and newest supported
 # TensorFlow/Keras pairs (noxfile.py); NOX_ARGS="-s oldest" runs one.
