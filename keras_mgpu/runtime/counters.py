@@ -1,0 +1,247 @@
+"""The run's counters: what `TrainingRuntime` counts, reads and saves.
+
+`RunCounters` is the counters at one moment, `ResumeEvent` one resume;
+`counter_variables()` names their device-side sources for a compiled reader,
+and `state()`/`resume()` are what a backup carries of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_mgpu import compat
+from keras_mgpu import strategy as strategy_lib
+from keras_mgpu.runtime.skipping import _Skip
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumeEvent:
+    """A run resumed from a backup.
+
+    Args:
+        generation: The backup generation restored.
+        step: The global step it was saved at (the first step trained after
+            it is `step + 1`).
+        epoch: The epoch it resumed in (0-based).
+        saved_replicas: Replicas in sync when it was saved.
+        replicas: Replicas in sync in the resumed run.
+    """
+
+    generation: int
+    step: int
+    epoch: int
+    saved_replicas: int
+    replicas: int
+
+    def describe(self) -> str:
+        """One line for logs, e.g. `"resumed from generation 3 at step 12"`."""
+        text = f"resumed from generation {self.generation} at step {self.step}"
+        if self.saved_replicas != self.replicas:
+            text += f" ({self.saved_replicas} -> {self.replicas} replicas)"
+        return text
+
+
+@dataclasses.dataclass(frozen=True)
+class RunCounters:
+    """The run's counters at one moment, over all replicas and workers.
+
+    Args:
+        global_step: Train batches trained over the run, continuing across
+            resumes (skipped and replayed batches are not counted twice).
+        samples_seen: Samples trained on over the run, or None when the
+            model is not compiled (Keras counts them in its loss tracker).
+        updates_applied: Optimizer updates applied (`optimizer.iterations`),
+            or None without an optimizer.
+        updates_skipped: Updates skipped for a non-finite gradient under a
+            `LossScaleOptimizer` over the run (0 without one), or None
+            without an optimizer.
+        micro_step: Micro-batches in the current accumulation window
+            (`GradientAccumulationModel`), else None.
+        input_wait_seconds: Seconds this process's train steps were blocked
+            on input (0.0 unless a reader asked for input timing).
+        resumes: The run's `ResumeEvent`s, oldest first.
+    """
+
+    global_step: int
+    samples_seen: Optional[float]
+    updates_applied: Optional[int]
+    updates_skipped: Optional[int]
+    micro_step: Optional[int]
+    input_wait_seconds: float
+    resumes: tuple
+
+
+
+class _RuntimeCounters:
+    """`TrainingRuntime`'s counters: reading them, saving and restoring them."""
+
+    @property
+    def completed_steps(self) -> int:
+        """Train batches finished (the global step minus a batch in progress)."""
+        return self._steps_before_batch if self._in_batch else self.global_step
+
+    def time_input(self) -> tf.Variable:
+        """Asks for input timing (from the next batch on); returns the float64
+        variable holding this process's seconds waited for input."""
+        self._timing = True
+        return self.input_wait_variable
+
+    @property
+    def input_wait_variable(self) -> tf.Variable:
+        if self._input_wait is None:
+            self._input_wait = strategy_lib.local_variable(0.0, tf.float64)
+        return self._input_wait
+
+    def counter_variables(self) -> dict:
+        """The device-side sources of `counters()`, for a compiled reader:
+        `samples` (this epoch's), `applied`, `attempted` (None for a plain
+        model: its attempts are its batches), `micro_step`, `input_wait`.
+        Each is a variable or None."""
+        model = self.model
+        optimizer = getattr(model, "optimizer", None)
+        window = getattr(model, "window_variables", None) or {}
+        return {
+            "samples": compat.examples_count(model),
+            "applied": None if optimizer is None else optimizer.iterations,
+            "attempted": window.get("update_count"),
+            "micro_step": window.get("micro_step"),
+            "input_wait": self.input_wait_variable,
+        }
+
+    def counters(self, values: Optional[dict] = None) -> RunCounters:
+        """The run's counters now.
+
+        Args:
+            values: Defaults to `None`: read `counter_variables()` eagerly
+                (under MultiWorkerMirroredStrategy the sample count is a
+                collective: call it on every worker at the same point).
+                Or their values, read by the caller in its own compiled call.
+        """
+        if values is None:
+            values = {
+                key: None if v is None else np.asarray(
+                    keras.ops.convert_to_numpy(v))
+                for key, v in self.counter_variables().items()
+            }
+        samples = values["samples"]
+        if samples is not None:
+            samples = self._samples_before_epoch + (
+                0.0 if self._epoch_samples_counted else float(samples))
+        applied = _int(values["applied"])
+        attempted = _int(values["attempted"])
+        if attempted is None:
+            attempted = self.completed_steps
+        skipped = None
+        if applied is not None:
+            if self._updates_offset is None:
+                self._updates_offset = attempted - applied
+            skipped = max(attempted - applied - self._updates_offset, 0)
+        return RunCounters(
+            global_step=self.completed_steps,
+            samples_seen=samples,
+            updates_applied=applied,
+            updates_skipped=skipped,
+            micro_step=_int(values["micro_step"]),
+            input_wait_seconds=float(values["input_wait"]),
+            resumes=tuple(self.resumes),
+        )
+
+    def update_counts(self) -> tuple:
+        """(attempted, applied) optimizer updates so far; two scalar reads.
+        Applied is None without an optimizer."""
+        model = self.model
+        optimizer = getattr(model, "optimizer", None)
+        # A plain model attempts one update per batch; an accumulating one
+        # counts its windows.
+        attempted = getattr(model, "update_count", None)
+        if attempted is None:
+            attempted = self.completed_steps
+        if optimizer is None:
+            return attempted, None
+        return attempted, int(optimizer.iterations.numpy())
+
+    # --- saving and resuming (BackupAndRestore) ------------------------------
+
+    def state(self) -> dict:
+        """The counters a backup carries, as plain JSON values."""
+        counters = self.counters()
+        seen = counters.samples_seen
+        epoch_samples = None
+        if seen is not None:
+            # Between epochs (an epoch's end): the next one trained nothing.
+            epoch_samples = (seen - self._samples_at_epoch_start
+                             if self._epoch_open else 0.0)
+        if self._epoch_open:
+            stream_base, keras_base = self._stream_base, self._keras_base
+        else:
+            stream_base = self._next_stream_base
+            keras_base = self._next_keras_base
+        return {
+            "global_step": counters.global_step,
+            "samples_seen": seen,
+            # What a resume mid-epoch skips; by samples, so that it stays
+            # exact under another batch size.
+            "epoch_samples": epoch_samples,
+            # Batches of the data iterator read before this epoch, when
+            # Keras reads one iterator across epochs (`steps_per_epoch`),
+            # and Keras's own count of them.
+            "stream_before_epoch": stream_base,
+            "keras_count_before_epoch": keras_base,
+            "updates_offset": self._updates_offset,
+            "input_wait_seconds": counters.input_wait_seconds,
+            "replicas": strategy_lib.num_replicas(
+                self.model.distribute_strategy),
+            "resumes": [dataclasses.asdict(e) for e in self.resumes],
+        }
+
+    def resume(self, state: dict, *, generation: int, epoch: int,
+               step_in_epoch: int) -> ResumeEvent:
+        """Continues the run saved in `state`: counters restored, and the
+        first `step_in_epoch` batches of `epoch` skipped."""
+        self.global_step = self._steps_before_batch = state["global_step"]
+        self._samples_before_epoch = float(state["samples_seen"] or 0.0)
+        self._updates_offset = state["updates_offset"]
+        self.input_wait_variable.assign(state["input_wait_seconds"])
+        self.resumes = [ResumeEvent(**e) for e in state["resumes"]]
+        event = ResumeEvent(
+            generation=generation, step=state["global_step"], epoch=epoch,
+            saved_replicas=state["replicas"],
+            replicas=strategy_lib.num_replicas(self.model.distribute_strategy),
+        )
+        self.resumes.append(event)
+        self.resumed_here.append(event)
+        epoch_samples = state.get("epoch_samples")
+        before = int(state.get("stream_before_epoch") or 0)
+        self._skip = None
+        if step_in_epoch or before:
+            self._skip = _Skip(
+                epoch=epoch, batches=step_in_epoch,
+                # 0 samples over several batches: a train step that does
+                # not count them; skip by batches then.
+                samples=epoch_samples if step_in_epoch and epoch_samples
+                else None,
+                before_epoch=before,
+                keras_count=int(state.get("keras_count_before_epoch") or 0))
+        self._samples_at_epoch_start = self._samples_before_epoch - (
+            epoch_samples or 0.0)
+        # Saved mid-epoch, the epoch's samples so far are in samples_seen;
+        # the tracker restarts at 0 for the batches still to train.
+        self._epoch_samples_counted = False
+        return event
+
+    def _count_epoch_samples(self) -> None:
+        if self._epoch_samples_counted:
+            return
+        self._epoch_samples_counted = True
+        seen = compat.examples_seen(self.model)
+        if seen is not None:
+            self._samples_before_epoch += seen
+
+
+def _int(value) -> Optional[int]:
+    return None if value is None else int(value)

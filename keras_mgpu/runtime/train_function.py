@@ -1,0 +1,172 @@
+"""The wrapper `TrainingRuntime` puts in place of `model.train_function`.
+
+It counts the batches each call read and trained (a call of
+`steps_per_execution` steps may hold fewer where the data ends), times input
+fetches when asked, and hands a resumed run's first calls to the skipping.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from keras_mgpu import compat
+from keras_mgpu import strategy as strategy_lib
+
+
+class _TrainFunctionWrapper:
+    """`TrainingRuntime`'s wrapper of the model's train function."""
+
+    # --- the train function --------------------------------------------------
+
+    def _install(self) -> None:
+        """Puts the wrapper in place of `model.train_function` (again, if
+        another callback swapped it since)."""
+        model = self.model
+        current = getattr(model, "train_function", None)
+        if current is None or current is self._wrapper:
+            return
+        inner = getattr(current, "keras_mgpu_inner", current)
+        self._inner = inner
+        # The twin that fetches as `inner` does but also counts the batches
+        # (and times the fetches, if asked): a call of several steps may
+        # hold fewer batches than `steps_per_execution` where the data ends.
+        twin = None
+        if self._timing or self._steps_per_call > 1:
+            twin = self._twin(inner, timed=self._timing)
+        step = twin if self._timing and twin is not None else inner
+        self._untimed = step is inner
+
+        def train_function(iterator):
+            self._read_from(iterator)
+            if self._skip is not None:
+                logs, read, trained = self._skip_then_train(iterator, step)
+                if read:
+                    self._account(read, trained)
+                    return logs
+                # Only batches of earlier epochs were skipped: the call
+                # trains as any other.
+            logs, read = self._train(iterator, step, twin)
+            self._account(read, read)
+            return logs
+
+        train_function.keras_mgpu_inner = inner
+        self._wrapper = model.train_function = train_function
+
+    def _twin(self, inner, timed: bool):
+        # Cached by the function it instruments: a function swapped out and
+        # back gets the same twin, with no retrace.
+        key = (id(inner), timed)
+        cached = self._timed.get(key)
+        if cached is None or cached[0] is not inner:
+            if self._batches_read is None:
+                self._batches_read = strategy_lib.local_variable(0, tf.int64)
+                self._fetched = 0
+            cached = (inner, compat.instrumented_train_function(
+                inner, seconds_waited=(self.input_wait_variable if timed
+                                       else None),
+                batches_read=self._batches_read))
+            self._timed[key] = cached
+        return cached[1]
+
+    def _scoped(self, function, iterator):
+        scope = self._step_scope
+        if scope is None:
+            return function(iterator)
+        with scope():
+            return function(iterator)
+
+    def _train(self, iterator, step, twin):
+        """One call of the train function; (logs, batches it trained)."""
+        expected = self._call_steps
+        # Where the call may hold another number of batches than predicted:
+        # an epoch of unknown length (its end), an epoch's last call (fewer
+        # where the data ends, all of them where it goes on past
+        # steps_per_epoch).
+        measure = self._steps_per_call > 1 and (
+            not self._epoch_steps or expected < self._steps_per_call)
+        try:
+            if not measure:
+                logs = self._scoped(step, iterator)
+                if step is twin:
+                    self._fetched += expected
+                return logs, expected
+            if twin is not None:
+                logs = self._scoped(twin, iterator)
+                fetched = int(self._batches_read.numpy())
+                read, self._fetched = fetched - self._fetched, fetched
+                return logs, read
+            # Nothing to instrument (run_eagerly, another stand-in): the
+            # batches go one by one through the function's own loop.
+            return self._train_batches(step, iterator, self._steps_per_call)
+        except (StopIteration, tf.errors.OutOfRangeError):
+            self._account(0, 0)  # the data ended: this call trained nothing
+            raise
+
+    def _train_batches(self, step, iterator, limit: int):
+        """Trains at most `limit` batches of `iterator` in one call, through
+        the train function's loop over a Python iterator (Keras's own, as
+        for `train_on_batch`): (logs, batches trained). Raises StopIteration
+        when the data has none left."""
+        first = _next(iterator)
+        count = [1]
+
+        def batches():
+            yield first
+            for _ in range(limit - 1):
+                try:
+                    element = _next(iterator)
+                except StopIteration:
+                    return
+                count[0] += 1
+                yield element
+
+        logs = self._scoped(step, batches())
+        return logs, count[0]
+
+    def _account(self, read: int, trained: int) -> None:
+        """The call in progress read `read` batches of the epoch and trained
+        `trained` of them."""
+        self.global_step = self._steps_before_batch + trained
+        self.epoch_step = self._batch_begin + read
+        self.batch_trains = trained > 0
+        self._stream_read += read
+
+    def _read_from(self, iterator) -> None:
+        """Notes the data iterator of this call: a new one, or the one an
+        earlier epoch read (Keras with `steps_per_epoch`)."""
+        if not self._first_call:
+            return
+        self._first_call = False
+        if iterator is self._stream:
+            self._stream_base = self._next_stream_base
+            self._keras_base = self._next_keras_base
+        else:
+            self._stream = iterator
+            self._stream_read = self._stream_base = self._keras_base = 0
+
+    @property
+    def input_timed(self) -> bool:
+        """Whether the batch in progress has its input wait timed."""
+        return (self._timing and self._wrapper is not None
+                and not self._untimed and self.batch_trains)
+
+    def _uninstall(self) -> None:
+        model = self.model
+        if self._wrapper is not None and getattr(
+                model, "train_function", None) is self._wrapper:
+            model.train_function = self._inner
+        self._wrapper = None
+        # Keep the twin of the function a next `fit` will call, not those of
+        # functions Keras has dropped (a recompile makes a new one).
+        current = getattr(model, "train_function", None)
+        self._timed = {key: entry for key, entry in self._timed.items()
+                       if entry[0] is current}
+
+
+def _next(iterator):
+    """The next batch; StopIteration at the end of the data (TensorFlow may
+    raise OutOfRangeError there)."""
+    try:
+        return next(iterator)
+    except tf.errors.OutOfRangeError:
+        raise StopIteration from None
