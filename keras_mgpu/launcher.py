@@ -8,7 +8,6 @@ failing worker's stderr is part of the error.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import numbers
@@ -37,54 +36,19 @@ from keras_mgpu._checks import (
     is_nonempty_path,
     is_positive_integer,
 )
+# The workers' results, output and error message have their own module;
+# `launcher.<name>` keeps naming them.
+from keras_mgpu._launcher_output import WorkerError
+from keras_mgpu._launcher_output import WorkerResult  # noqa: F401
+from keras_mgpu._launcher_output import _collect
+from keras_mgpu._launcher_output import _describe
+from keras_mgpu._launcher_output import _Echo
+from keras_mgpu._launcher_output import _read
 from keras_mgpu.strategy import make_tf_config
 
 RESULT_ENV = "KERAS_MGPU_RESULT"
 
 Target = Union[str, Callable[..., Any]]
-
-
-@dataclasses.dataclass
-class WorkerResult:
-    """What one worker process left behind.
-
-    Args:
-        index: The worker's rank.
-        returncode: Its exit status (negative: killed by that signal).
-        result: The JSON value it reported, or `None`.
-        stdout: Everything it printed.
-        stderr: Everything it printed to stderr.
-        killed: Whether the launcher ended it on request: killed on
-            `kill_when_printed`, or stopped because the workers killed then
-            had exited (a requested kill ends the cluster, as a failure
-            does).
-        stopped: Whether the launcher stopped it (SIGKILL) while it still
-            ran, because another worker failed or the cluster timed out:
-            its `returncode` is then the launcher's signal, not a failure
-            of its own.
-    """
-
-    index: int
-    returncode: Optional[int]
-    result: Any
-    stdout: str
-    stderr: str
-    killed: bool = False
-    stopped: bool = False
-
-
-class WorkerError(RuntimeError):
-    """A worker failed or the cluster timed out; the message holds stderr.
-
-    `first_failed` holds the indices of the workers whose failure the
-    launcher saw first (empty after a timeout).
-    """
-
-    def __init__(self, message: str, results: Sequence[WorkerResult],
-                 first_failed: Sequence[int] = ()):
-        super().__init__(message)
-        self.results = list(results)
-        self.first_failed = list(first_failed)
 
 
 def free_ports(n: int) -> list:
@@ -159,10 +123,6 @@ def _command(target: Target, kwargs: Mapping[str, Any], args: Sequence[str]):
             "strings (e.g. array.tolist()) or paths to files."
         ) from None
     return [sys.executable, "-c", _BOOTSTRAP, target, encoded]
-
-
-def _tail(text: str, lines: int = 60) -> str:
-    return "\n".join(text.splitlines()[-lines:])
 
 
 def run_local_workers(
@@ -472,43 +432,6 @@ def _wait(procs, files, timeout, marker, to_kill, kill_signal, echo, labels):
         time.sleep(0.1)
 
 
-class _Echo:
-    """Copies the workers' output files to a stream, line by line, each
-    line after its worker's label."""
-
-    def __init__(self, stream, files, labels):
-        self.stream, self.files, self.labels = stream, files, labels
-        self.offsets, self.partial = {}, {}
-
-    def copy(self, final: bool = False) -> None:
-        if self.stream is None:
-            return
-        for i, pair in enumerate(self.files):
-            for f in pair:
-                with open(f.name, "rb") as again:
-                    again.seek(self.offsets.get(f.name, 0))
-                    data = again.read()
-                self.offsets[f.name] = self.offsets.get(f.name, 0) + len(data)
-                data = self.partial.pop(f.name, b"") + data
-                lines = data.split(b"\n")
-                last = lines.pop()
-                if final and last:
-                    lines.append(last)
-                elif last:
-                    # A line still being written waits for its end.
-                    self.partial[f.name] = last
-                for line in lines:
-                    self.stream.write(f"[{self.labels[i]}] "
-                                      f"{line.decode(errors='replace')}\n")
-        self.stream.flush()
-
-
-def _read(f) -> str:
-    f.flush()
-    with open(f.name) as again:
-        return again.read()
-
-
 def _kill_all(procs) -> None:
     for p in procs:
         if p.poll() is None:
@@ -521,52 +444,6 @@ def _kill_all(procs) -> None:
             p.wait(timeout=30)
         except subprocess.TimeoutExpired:
             pass
-
-
-def _collect(procs, files, workdir, killed, stopped=()):
-    results = []
-    for i, (p, (out, err)) in enumerate(zip(procs, files)):
-        result = None
-        path = workdir and os.path.join(workdir, f"result{i}.json")
-        if path and os.path.exists(path):
-            with open(path) as f:
-                result = json.load(f)
-        results.append(
-            WorkerResult(i, p.poll(), result, _read(out), _read(err),
-                         i in killed, i in stopped)
-        )
-    return results
-
-
-def _how(returncode) -> str:
-    if returncode is not None and returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = f"signal {-returncode}"
-        return f"killed by {name} (exit {returncode})"
-    return f"exit code {returncode}"
-
-
-def _describe(results, what: str, labels, first=()) -> str:
-    parts = [f"Local cluster {what}."]
-    codes = {r.index: r.returncode for r in results}
-    if first:
-        parts.append("First to fail: " + "; ".join(
-            f"{labels[i]}, {_how(codes[i])}" for i in first) + ".")
-    stopped = [labels[r.index] for r in results if r.stopped]
-    if stopped:
-        parts.append(f"Stopped by the launcher (SIGKILL) after that: "
-                     f"{', '.join(stopped)}.")
-    # The first failure's stderr first: it holds the cause.
-    for r in sorted(results, key=lambda r: (r.index not in first, r.index)):
-        state = ("stopped by the launcher" if r.stopped
-                 else "killed on request" if r.killed else _how(r.returncode))
-        parts.append(
-            f"--- [{labels[r.index]}: {state}] worker {r.index} "
-            f"(exit {r.returncode}) stderr tail:\n{_tail(r.stderr)}"
-        )
-    return "\n".join(parts)
 
 
 # Runs in the worker: imports only the target's module (not keras_mgpu, so a
