@@ -31,8 +31,11 @@ def gather_rows(strategy: tf.distribute.Strategy,
     by_size = _GATHERS.setdefault(strategy, {})
     gather = by_size.get(row.size)
     if gather is None:
+        # No autograph: nothing to convert, and a converted function is
+        # written to a temporary file, which a non-chief must not leave.
         @tf.function(input_signature=[tf.TensorSpec([1, row.size],
-                                                    tf.float64)])
+                                                    tf.float64)],
+                     autograph=False)
         def gather(value):
             distributed = strategy.experimental_distribute_values_from_function(
                 lambda _: tf.identity(value))
