@@ -31,15 +31,20 @@ def gather_rows(strategy: tf.distribute.Strategy,
     by_size = _GATHERS.setdefault(strategy, {})
     gather = by_size.get(row.size)
     if gather is None:
+        # A weak reference: the function, kept as a value of the weak map,
+        # must not keep its key (the strategy) alive.
+        strategy_ref = weakref.ref(strategy)
+
         # No autograph: nothing to convert, and a converted function is
         # written to a temporary file, which a non-chief must not leave.
         @tf.function(input_signature=[tf.TensorSpec([1, row.size],
                                                     tf.float64)],
                      autograph=False)
         def gather(value):
-            distributed = strategy.experimental_distribute_values_from_function(
+            live = strategy_ref()
+            distributed = live.experimental_distribute_values_from_function(
                 lambda _: tf.identity(value))
-            return strategy.gather(distributed, axis=0)
+            return live.gather(distributed, axis=0)
 
         by_size[row.size] = gather
     gathered = gather(tf.constant(row[None])).numpy()

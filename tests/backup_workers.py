@@ -18,6 +18,14 @@ import time
 import numpy as np
 
 
+def marker(text: str) -> None:
+    """Prints a marker line with one write: a SIGKILL cannot leave half of
+    it (`print` writes the text and its newline separately when Python's
+    output is unbuffered, PYTHONUNBUFFERED=1)."""
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), f"{text}\n".encode())
+
+
 def train(backup_dir, preset="preemptible", save_freq=4, accum_steps=None,
           epochs=3, steps=8, hold_write_of=None, report_held_at=None,
           pause_at=None, virtual_cpus=None, mode="window", **overrides):
@@ -82,7 +90,7 @@ def train(backup_dir, preset="preemptible", save_freq=4, accum_steps=None,
         if epoch_step[0] == report_held_at:
             # Training got here while the write is held mid-generation.
             held.wait(timeout=workers.HOLD_SECONDS)
-        print(f"STEP {epoch_step[0]};", flush=True)
+        marker(f"STEP {epoch_step[0]};")
         if epoch_step[0] == pause_at:
             # Hold still at this step until the test's signal arrives: a
             # SIGKILL ends the process here, a SIGTERM (handled by the
@@ -138,7 +146,7 @@ def train_partial_executions(backup_dir, data="numpy", kill_at=None,
     def on_batch_end(batch, logs):
         if runtime.global_step == kill_at:
             workers.finish_backup_writes()
-        print(f"STEP {runtime.global_step};", flush=True)
+        marker(f"STEP {runtime.global_step};")
         if runtime.global_step == kill_at:
             workers.hold_until_killed()
 
@@ -181,7 +189,7 @@ def serve_forks():
         if pid == 0:
             code = 1
             try:
-                print(f"START {os.getpid()};", flush=True)
+                marker(f"START {os.getpid()};")
                 target(**request["kwargs"])
                 code = 0
             except BaseException:
@@ -191,7 +199,7 @@ def serve_forks():
                 sys.stderr.flush()
                 os._exit(code)
         _, status = os.waitpid(pid, 0)
-        print(f"EXIT {pid} {os.waitstatus_to_exitcode(status)};", flush=True)
+        marker(f"EXIT {pid} {os.waitstatus_to_exitcode(status)};")
 
 
 def train_steps(backup_dir, result, save_freq=1, keep=1, epochs=2, steps=8,
@@ -231,7 +239,7 @@ def train_steps(backup_dir, result, save_freq=1, keep=1, epochs=2, steps=8,
     class PrintSteps(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
             step = int(self.model.optimizer.iterations.numpy())
-            print(f"STEP {step};", flush=True)
+            marker(f"STEP {step};")
 
     model.fit(dataset, epochs=epochs, verbose=0, shuffle=False, callbacks=[
         BackupAndRestore(backup_dir, save_freq=save_freq, keep=keep),
@@ -337,9 +345,11 @@ class Forks:
             lines.append(line)
             if line.startswith("START "):
                 self._child = int(line.split()[1].rstrip(";"))
-            elif line.startswith("EXIT "):
+            elif "EXIT " in line:
+                # After a line the killed child had not ended, if any.
                 self._child = None
-                return int(line.split()[2].rstrip(";")), lines
+                exit_line = line[line.index("EXIT "):]
+                return int(exit_line.split()[2].rstrip(";")), lines
             elif kill_when is not None:
                 delay = kill_when(line)
                 if delay is not None:
