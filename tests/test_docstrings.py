@@ -2,31 +2,24 @@
 
 import doctest
 import importlib
-import os
 
 import keras
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.test_imports import package_modules
 
 
 def _modules_with_examples() -> list:
     """Every module of the package (and the top-level ones) whose source
-    has a doctest prompt that is not skipped, found by walking the tree."""
-    paths = [os.path.join(ROOT, f) for f in os.listdir(ROOT)
-             if f.startswith("keras_mgpu_") and f.endswith(".py")]
-    for folder, _, files in os.walk(os.path.join(ROOT, "keras_mgpu")):
-        paths += [os.path.join(folder, f) for f in files if f.endswith(".py")]
+    has a doctest prompt that is not skipped."""
     found = []
-    for path in sorted(paths):
+    for name, path in sorted(package_modules().items()):
+        if path.endswith(("__init__.py", "__main__.py")):
+            continue
         with open(path) as f:
             prompts = [line for line in f if line.lstrip().startswith(">>> ")]
-        if all("doctest: +SKIP" in line for line in prompts):
-            continue
-        parts = os.path.relpath(path, ROOT)[:-3].split(os.sep)
-        if parts[-1] in ("__init__", "__main__"):
-            continue
-        found.append(".".join(parts))
+        if not all("doctest: +SKIP" in line for line in prompts):
+            found.append(name)
     return found
 
 

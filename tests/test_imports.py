@@ -11,12 +11,13 @@ import os
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOP_LEVEL = ("keras_mgpu_args", "keras_mgpu_cli", "keras_mgpu_quiet")
 
 
-def _modules() -> dict:
-    """Module name -> path, for the package and the top-level modules."""
-    found = {name: os.path.join(ROOT, f"{name}.py") for name in TOP_LEVEL}
+def package_modules() -> dict:
+    """Module name -> path, for the package and the top-level
+    `keras_mgpu_*.py` modules, found by walking the tree."""
+    found = {f[:-3]: os.path.join(ROOT, f) for f in os.listdir(ROOT)
+             if f.startswith("keras_mgpu_") and f.endswith(".py")}
     for folder, _, files in os.walk(os.path.join(ROOT, "keras_mgpu")):
         for file in files:
             if not file.endswith(".py"):
@@ -55,7 +56,7 @@ def _imports(name: str, path: str, modules: dict) -> set:
 
 
 def _graph() -> dict:
-    modules = _modules()
+    modules = package_modules()
     return {name: _imports(name, path, modules)
             for name, path in modules.items()}
 
@@ -100,7 +101,7 @@ def test_no_module_imports_the_package_root():
                                     "tensorflow.compiler", "keras_tuner.src"])
 def test_private_upstream_modules_only_under_compat(prefix):
     outside = []
-    for name, path in _modules().items():
+    for name, path in package_modules().items():
         if name == "keras_mgpu.compat" or name.startswith("keras_mgpu.compat."):
             continue
         with open(path) as f:
