@@ -35,20 +35,9 @@ if _started_as_cli():
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
-import keras  # noqa: E402
+from keras_mgpu import backend  # noqa: E402
 
-
-def _check_backend(active: str) -> None:
-    if active != "tensorflow":
-        raise ImportError(
-            f"keras-mgpu needs Keras's TensorFlow backend, but the active "
-            f"backend is {active!r} (KERAS_BACKEND="
-            f"{os.environ.get('KERAS_BACKEND')!r}). Set "
-            "KERAS_BACKEND=tensorflow before importing keras or keras_mgpu."
-        )
-
-
-_check_backend(keras.backend.backend())
+backend.active()  # refuses a Keras backend keras-mgpu has no module for
 
 from keras_mgpu import callbacks  # noqa: E402,F401
 from keras_mgpu import compat  # noqa: E402,F401

@@ -1,4 +1,4 @@
-"""keras_mgpu._collectives: host values from every worker, compiled once.
+"""keras_mgpu.backend.tensorflow.collectives: host values from every worker, compiled once.
 
 Over several workers it is exercised by the logger's and the backup's
 multi-worker tests; here, the row layout on one worker's replicas.
@@ -6,7 +6,7 @@ multi-worker tests; here, the row layout on one worker's replicas.
 
 import numpy as np
 
-from keras_mgpu import _collectives
+from keras_mgpu.backend.tensorflow import collectives as _collectives
 from tests.conftest import mirrored
 
 

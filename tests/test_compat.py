@@ -117,16 +117,22 @@ def test_renamed_all_reduce_is_refused_rather_than_reduced_twice(monkeypatch):
             pass
 
 
-def test_a_fit_without_its_epoch_iterator_local_is_refused(monkeypatch):
-    # A resume that continues a steps_per_epoch stream finds fit's epoch
-    # iterator among its locals; a renamed local must not read as "not
+def test_a_keras_whose_epoch_iterator_lacks_the_position_is_refused(
+        monkeypatch):
+    # A resume that continues a steps_per_epoch stream reads the epoch
+    # iterator's position; an iterator without it must not read as "not
     # inside fit" (which would silently restart the stream).
-    assert compat.fit_epoch_iterator(workers.build_mlp()) is None
+    from keras.src.trainers import epoch_iterator
+
+    monkeypatch.setattr(compat.fit_context, "_recording", False)
     monkeypatch.setattr(compat.trainer_class(), "fit",
-                        lambda self, x=None, **kwargs: None)
+                        compat.trainer_class().fit)
+    monkeypatch.setattr(epoch_iterator.EpochIterator, "__init__",
+                        lambda self, x, **kwargs: None)
     with pytest.raises(compat.KerasInternalsError,
-                       match=r"local `epoch_iterator`"):
-        compat.fit_epoch_iterator(workers.build_mlp())
+                       match=r"EpochIterator.__init__` setting "
+                             r"steps_per_epoch, _current_iterator"):
+        compat.record_fits()
 
 
 def test_changed_signature_is_refused(monkeypatch):
@@ -181,31 +187,45 @@ def test_initial_epoch_hook_needs_the_private_attribute():
         compat.set_initial_epoch(object(), 3)
 
 
-def test_callback_siblings_are_those_of_the_current_list():
-    seen = {}
+def test_the_running_fit_is_recorded_with_its_callbacks_and_data():
+    compat.record_fits()
+    seen, after_validation = [], []
 
     class Probe(keras.callbacks.Callback):
         def on_train_begin(self, logs=None):
-            seen[len(seen)] = compat.callback_siblings(self)
+            seen.append(compat.running_fit(self.model))
 
-    probe, other = Probe(), keras.callbacks.History()
-    keras.callbacks.CallbackList([probe, other]).on_train_begin()
-    assert seen[0] == [probe, other]
-    assert compat.callback_siblings(keras.callbacks.History()) is None
+        def on_epoch_end(self, epoch, logs=None):
+            # Validation's epoch iterator, made inside this fit, is not it.
+            after_validation.append(compat.fit_epoch_iterator(self.model))
 
-    # A failed fit's list, kept alive by its traceback, holds the probe too:
-    # the list of the fit now running is the one found.
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     model.compile("sgd", "mse")
+    probe, other = Probe(), keras.callbacks.History()
+    x, y = np.ones((4, 2)), np.ones((4, 1))
+    model.fit(x, y, verbose=0, callbacks=[probe, [other]],
+              validation_data=(x, y), steps_per_epoch=2, batch_size=1)
+    running = seen[0]
+    assert running.model is model and running.callbacks == [probe, other]
+    assert running.epoch_iterator.steps_per_epoch == 2
+    assert after_validation == [running.epoch_iterator]
+    assert compat.running_fit(model) is None  # fit has returned
+
+    # A hand-written loop is not a fit.
+    keras.callbacks.CallbackList([probe], model=model).on_train_begin()
+    assert seen[1] is None
+
+    # A fit that raised is over too; the next one records its own callbacks.
     failing = keras.callbacks.LambdaCallback(
         on_train_batch_end=lambda batch, logs: 1 / 0)
-    x, y = np.ones((4, 2)), np.ones((4, 1))
     with pytest.raises(ZeroDivisionError) as failed:
         model.fit(x, y, verbose=0, callbacks=[probe, failing])
-    assert failing in seen[1]
-    model.fit(x, y, verbose=0, callbacks=[probe])
-    assert failed.value is not None  # the stale list is still alive
-    assert probe in seen[2] and failing not in seen[2]
+    assert failing in seen[2].callbacks
+    assert compat.running_fit(model) is None
+    model.fit(x, y, verbose=0,
+              callbacks=keras.callbacks.CallbackList([probe], model=model))
+    assert failed.value is not None
+    assert seen[3].callbacks == [probe]
 
 
 def test_logits_are_recovered_by_this_keras():

@@ -18,8 +18,8 @@ from keras_mgpu import compat
 
 ROOT = pathlib.Path(__file__).parents[1]
 COMPAT = ROOT / "keras_mgpu" / "compat"
-# Python's own private names compat uses (the stack walk, `ast`).
-PYTHONS_OWN = {"_getframe", "_fields"}
+# Python's own private names compat uses (`ast`).
+PYTHONS_OWN = {"_fields"}
 PRIVATE_MODULES = ("keras.src", "keras_tuner.src", "tensorflow.python",
                    "tensorflow.compiler")
 

@@ -500,7 +500,7 @@ def test_input_wait_survives_a_swapped_train_function(tmp_path):
     # timed function reused across the swaps (no retrace per swap).
     assert waits[0] is None and waits[4] is None
     assert all(w is not None and 0 <= w < 1 for w in waits[1:4] + waits[5:])
-    timed = [f for _, f in training_runtime(model)._timed.values()
+    timed = [f for _, f in training_runtime(model)._twins.values()
              if f is not None]
     assert len(timed) == 1
 

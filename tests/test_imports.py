@@ -114,3 +114,21 @@ def test_private_upstream_modules_only_under_compat(prefix):
             outside += [f"{name}: {n}" for n in names
                         if n == prefix or n.startswith(prefix + ".")]
     assert not outside, outside
+
+
+def test_no_module_looks_into_frames_or_the_heap():
+    # What the runtime and the backup need of a running `fit` is recorded
+    # by compat.fit_context; reading frames or scanning the heap for it is
+    # slow and breaks with any change to Keras's locals.
+    banned = {"get_referrers", "get_referents", "get_objects", "_getframe",
+              "currentframe", "f_locals", "f_back", "f_globals"}
+    found = []
+    for name, path in package_modules().items():
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            used = (node.attr if isinstance(node, ast.Attribute) else
+                    node.id if isinstance(node, ast.Name) else None)
+            if used in banned:
+                found.append(f"{name}:{node.lineno}: {used}")
+    assert not found, found

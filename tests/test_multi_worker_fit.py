@@ -125,11 +125,11 @@ print("ENABLE", compat.enable_multi_worker_fit(), compat.enable_multi_worker_fit
 
 
 def test_other_keras_backend_is_refused_with_a_clear_error(monkeypatch):
-    import keras_mgpu
+    from keras_mgpu import backend
 
     monkeypatch.setenv("KERAS_BACKEND", "jax")
     with pytest.raises(ImportError) as info:
-        keras_mgpu._check_backend("jax")
+        backend.active("jax")
     assert "active backend is 'jax' (KERAS_BACKEND='jax')" in str(info.value)
     assert "Set KERAS_BACKEND=tensorflow" in str(info.value)
-    keras_mgpu._check_backend("tensorflow")
+    assert backend.active("tensorflow").NAME == "tensorflow"

@@ -108,6 +108,8 @@ class LossScaleMonitor(keras.callbacks.Callback):
         log_prefix: str = "",
     ):
         super().__init__()
+        # Before its `fit`, which then records its callbacks and data.
+        compat.record_fits()
         if max_consecutive_skips < 1:
             raise ValueError(
                 "max_consecutive_skips must be >= 1, got "

@@ -11,7 +11,8 @@ module per upstream concern:
 - `accumulation`: the train-step building blocks of gradient accumulation;
 - `mixed_precision`: layer and tensor internals for mixed precision;
 - `saving`: the weights snapshot and its in-memory `.weights.h5` file;
-- `callbacks`: the initial epoch and sibling callbacks of the backup;
+- `callbacks`: the initial epoch of the backup;
+- `fit_context`: the running `fit`'s callbacks and epoch iterator;
 - `telemetry`: the sample count and `tf.summary`'s state;
 - `train_loop`: the timed train function and the running `fit`'s epoch
   iterator;
@@ -52,9 +53,11 @@ from keras_mgpu.compat.accumulation import gradients_already_reduced  # noqa: F4
 from keras_mgpu.compat.accumulation import loss_scale_apply  # noqa: F401
 from keras_mgpu.compat.accumulation import loss_scale_skip  # noqa: F401
 from keras_mgpu.compat.accumulation import track_loss  # noqa: F401
-from keras_mgpu.compat.callbacks import callback_siblings  # noqa: F401
 from keras_mgpu.compat.callbacks import check_backup_support  # noqa: F401
 from keras_mgpu.compat.callbacks import set_initial_epoch  # noqa: F401
+from keras_mgpu.compat.fit_context import RunningFit  # noqa: F401
+from keras_mgpu.compat.fit_context import record_fits  # noqa: F401
+from keras_mgpu.compat.fit_context import running_fit  # noqa: F401
 from keras_mgpu.compat.keras_trainer import _copied_originals  # noqa: F401
 from keras_mgpu.compat.keras_trainer import enable_multi_step_fit  # noqa: F401
 from keras_mgpu.compat.keras_trainer import enable_multi_worker_fit  # noqa: F401

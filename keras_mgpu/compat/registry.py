@@ -108,8 +108,7 @@ _BACKUP = _workaround(
     upstream=f"{_KERAS}/blob/v3.15.1/keras/src/saving/saving_lib.py",
     works_around="`fit` can only be started at an epoch through "
     "`model._initial_epoch`; weights can be neither snapshotted to host "
-    "memory without a file nor loaded from bytes; callbacks cannot see "
-    "their `CallbackList`",
+    "memory without a file nor loaded from bytes",
     applied="by `BackupAndRestore` and its presets",
     remove_when="`Model.load_weights` accepts a file object and Keras "
     "exposes a mid-epoch resume (no upstream issue yet)")
@@ -122,6 +121,17 @@ _STREAM = _workaround(
     applied="by `BackupAndRestore` where the data outlives an epoch",
     remove_when="Keras exposes the epoch iterator's position (no upstream "
     "issue yet)")
+_RUNNING_FIT = _workaround(
+    "the running fit's callbacks and epoch iterator",
+    upstream=f"{_KERAS_TF}/trainer.py",
+    works_around="a callback sees neither the other callbacks of its `fit` "
+    "(whose state the backup saves) nor the epoch iterator feeding the "
+    "train function (whose position a resume continues), nor whether it "
+    "runs inside `fit` at all",
+    applied="by every keras-mgpu callback: `fit` and `EpochIterator` are "
+    "wrapped, once, to record the running fit (they do nothing else)",
+    remove_when="Keras gives callbacks their `CallbackList` and the epoch "
+    "iterator's position (no upstream issue yet)")
 _TELEMETRY = _workaround(
     "the training runtime's sample count",
     upstream=f"{_KERAS_TF}/trainer.py",

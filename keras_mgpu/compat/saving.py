@@ -7,12 +7,12 @@ in between.
 from __future__ import annotations
 
 import functools
-import inspect
 from typing import Optional
 
 import numpy as np
 
-from keras_mgpu.compat._core import _copied_variant, _require, _require_module
+from keras_mgpu.compat._core import (
+    _copied_variant, _internals_error, _require, _require_module)
 from keras_mgpu.compat.registry import _BACKUP
 
 _SAVING_LIB = "keras.src.saving.saving_lib"
@@ -73,6 +73,16 @@ def _load_state():
         params=("saveable", "weights_store", "assets_store", "inner_path"))
 
 
+def _saveable_walk():
+    # Keras's walk of an object's saveable children, and what it descends
+    # into: `weights_layout` finds the objects of the paths with them.
+    walk = _require(_saving_lib(), "_walk_saveable", _BACKUP)
+    saveable_class = _require(
+        _require_module("keras.src.saving.keras_saveable", _BACKUP),
+        "KerasSaveable", _BACKUP)
+    return walk, saveable_class
+
+
 def _h5_store():
     return _require(_saving_lib(), "H5IOStore", _BACKUP)
 
@@ -81,10 +91,69 @@ def weights_layout(model) -> WeightsLayout:
     """Finds where `model.save_weights` would put each of its values."""
     save_state = _save_state()
     store_class = _recording_store_class(_h5_store())
-    finder = store_class(find_saveables=True)
+    # Keras's walk gives the store each saveable's path, then marks the
+    # saveable visited: that pairs the path with the object (found by the
+    # same walk, `_saveables_of`), without looking into Keras's frames.
+    visits = _Visits()
+    finder = store_class(visits=visits)
     save_state(model, weights_store=finder, assets_store=None, inner_path="",
-               visited_saveables=set())
-    return WeightsLayout(finder.saveables, store_class)
+               visited_saveables=visits)
+    objects = _saveables_of(model)
+    if len(visits.made) != len(finder.entries):
+        raise _internals_error(
+            f"`{_SAVING_LIB}._save_state` marking each saveable visited "
+            "after its entry", _BACKUP)
+    saveables = []
+    for (path, metadata, _), key in zip(finder.entries, visits.made):
+        name = (metadata or {}).get("name")
+        if key not in objects or (
+                name is not None and objects[key].name != name):
+            raise _internals_error(
+                f"`{_SAVING_LIB}._walk_saveable` reaching the object saved "
+                f"at {path!r} as `_save_state` does", _BACKUP)
+        saveables.append((path, metadata, objects[key]))
+    return WeightsLayout(saveables, store_class)
+
+
+class _Visits(set):
+    """`_save_state`'s `visited_saveables`: the ids of the objects it gave
+    the store an entry to (`made`, in order), told apart from the others by
+    `mark_entry` (called by the store as it makes an entry)."""
+
+    def __init__(self):
+        super().__init__()
+        self.made = []
+        self._entry_pending = False
+
+    def mark_entry(self) -> None:
+        self._entry_pending = True
+
+    def add(self, key) -> None:
+        super().add(key)
+        if self._entry_pending:
+            self.made.append(key)
+            self._entry_pending = False
+
+
+def _saveables_of(model) -> dict:
+    """`{id: object}` of every saveable Keras's walk of `model` reaches."""
+    walk, saveable_class = _saveable_walk()
+    # Every object seen, kept alive: a container made by a property on each
+    # read must not free its id for another while the walk goes on.
+    seen, found, pending = {}, {}, [model]
+    while pending:
+        item = pending.pop()
+        if id(item) in seen:
+            continue
+        seen[id(item)] = item
+        if isinstance(item, saveable_class):
+            found[id(item)] = item
+            pending.extend(child for _, child in walk(item))
+        elif isinstance(item, (list, tuple)):
+            pending.extend(item)
+        elif isinstance(item, dict):
+            pending.extend(item.values())
+    return found
 
 
 def weights_file(snapshot: list) -> memoryview:
@@ -136,10 +205,10 @@ def load_weights_file(model, data: bytes) -> None:
 def _recording_store_class(h5_store):
     # A subclass: Keras's walk accepts only its own store types.
     class _RecordingStore(h5_store):
-        def __init__(self, find_saveables=False, buffers=None):
+        def __init__(self, visits=None, buffers=None):
             # No file is set up: nothing of the parent's state is used.
             self.entries = []
-            self.saveables = [] if find_saveables else None
+            self._visits = visits
             self._values = None
             self._buffers = iter(buffers or ())
 
@@ -147,17 +216,15 @@ def _recording_store_class(h5_store):
             return True
 
         def make(self, path, metadata=None):
-            if self.saveables is not None:
-                # Called by `_save_state(saveable, ...)` for that object
-                # (its first parameter, checked by `weights_layout`).
-                saveable = inspect.currentframe().f_back.f_locals["saveable"]
-                self.saveables.append((path, metadata, saveable))
+            if self._visits is not None:
+                # `_save_state` marks the saveable visited next.
+                self._visits.mark_entry()
             self._values = []
             self.entries.append((path, metadata, self._values))
             return self
 
         def __setitem__(self, key, value):
-            if self.saveables is not None:
+            if self._visits is not None:
                 return
             # A copy (the variables train on while the file is written),
             # into the earlier read's array where there is one: memory in

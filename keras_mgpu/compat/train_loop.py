@@ -6,10 +6,10 @@ iterator, whose position a resume continues.
 
 from __future__ import annotations
 
-import inspect
 from typing import Optional
 
-from keras_mgpu.compat._core import _copied_variant, _internals_error, _require
+from keras_mgpu.compat._core import _copied_variant, _require
+from keras_mgpu.compat.fit_context import running_fit
 from keras_mgpu.compat.keras_trainer import _TF_TRAINER, trainer_class
 from keras_mgpu.compat.registry import _INPUT_WAIT, _STREAM
 from keras_mgpu.compat.telemetry import examples_count
@@ -122,39 +122,20 @@ def _train_function_variant(train_function) -> Optional[str]:
 
 
 # --- The data stream of a running `fit` (keras_mgpu.runtime) -----------------
-# Keras 3.10 to 3.15 `TensorFlowTrainer.fit` holds its `TFEpochIterator` in
-# the local `epoch_iterator`. With `steps_per_epoch` it hands the next epoch
-# the same data iterator (`_current_iterator`) unless the data ran out, and
-# counts the batches it handed out (`_steps_seen`, `steps_per_execution` per
-# call) to know when a dataset of known length is used up. A resume that
-# continues such a stream mid-way must start that count where the
-# interrupted run had it. Remove when Keras exposes the epoch iterator's
-# position (no upstream issue yet).
+# Keras 3.10 to 3.15 `fit` hands the next epoch the same data iterator
+# (`_current_iterator`) when given `steps_per_epoch`, unless the data ran
+# out, and counts the batches it handed out (`_steps_seen`,
+# `steps_per_execution` per call) to know when a dataset of known length is
+# used up. A resume that continues such a stream mid-way must start that
+# count where the interrupted run had it. Remove when Keras exposes the
+# epoch iterator's position (no upstream issue yet).
 
 
 def fit_epoch_iterator(model):
     """The epoch iterator of the `fit` now running on `model`, or None (not
-    called from inside Keras's `fit`, e.g. a hand-written loop)."""
-    import sys
-
-    # Checked on the installed trainer, so a renamed local raises here
-    # rather than reading as "not inside fit".
-    trainer = trainer_class(_STREAM)
-    fit = inspect.unwrap(_require(trainer, "fit", _STREAM))
-    code = getattr(fit, "__code__", None)
-    if code is None or "epoch_iterator" not in code.co_varnames:
-        raise _internals_error(f"`{trainer.__name__}.fit`'s local "
-                               "`epoch_iterator`", _STREAM)
-    frame = sys._getframe(1)
-    while frame is not None:
-        # Keras's own `fit`, not an override that calls it (which has no
-        # such local).
-        if frame.f_code.co_name == "fit":
-            local = frame.f_locals
-            if local.get("self") is model and "epoch_iterator" in local:
-                return local["epoch_iterator"]
-        frame = frame.f_back
-    return None
+    inside Keras's `fit`, e.g. a hand-written loop, or not made yet)."""
+    running = running_fit(model)
+    return None if running is None else running.epoch_iterator
 
 
 def epoch_iterator_keeps_iterator(epoch_iterator) -> bool:

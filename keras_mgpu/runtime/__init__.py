@@ -3,9 +3,9 @@ counters.
 
 `core` is the runtime itself (`TrainingRuntime`, `training_runtime(model)`,
 the hooks callbacks call); `counters` its counters (`RunCounters`,
-`ResumeEvent`, the reads and the `state()`/`resume()` a backup carries);
-`train_function` the wrapper of `model.train_function`; `skipping` what a
-resumed run skips of its first epoch.
+`ResumeEvent`, the reads and the `state()`/`resume()` a backup carries).
+The wrapper of `model.train_function` and the skipping of what a resumed
+run already trained are the backend's (`keras_mgpu.backend`).
 """
 
 from keras_mgpu.runtime.core import TrainingRuntime  # noqa: F401

@@ -23,10 +23,12 @@ from typing import Callable, ContextManager, Optional
 
 import keras
 
-from keras_mgpu import compat
+from keras_mgpu import backend, compat
 from keras_mgpu.runtime.counters import _RuntimeCounters
-from keras_mgpu.runtime.skipping import _ResumeSkipping
-from keras_mgpu.runtime.train_function import _TrainFunctionWrapper
+
+# The backend's halves of the runtime: the train-function wrapper and the
+# resume's skipping (keras_mgpu/backend/__init__.py).
+_backend = backend.active()
 
 
 def training_runtime(model) -> "TrainingRuntime":
@@ -52,10 +54,12 @@ def training_runtime(model) -> "TrainingRuntime":
         # every model alive; as an attribute it is one more collectable cycle.
         runtime = TrainingRuntime(model)
         model._keras_mgpu_runtime = runtime
+        # A `fit` that starts from now on records its callbacks and data.
+        compat.record_fits()
     return runtime
 
 
-class TrainingRuntime(_TrainFunctionWrapper, _ResumeSkipping,
+class TrainingRuntime(_backend.TrainFunctionWrapper, _backend.ResumeSkipping,
                       _RuntimeCounters):
     """One model's training runtime: the train-function wrapper and counters.
 
@@ -135,13 +139,15 @@ class TrainingRuntime(_TrainFunctionWrapper, _ResumeSkipping,
         # attempted - applied updates before this run's counting began.
         self._updates_offset = None
         self._input_wait = None
-        self._timing = False
+        self._timing_asked = False
         self._wrapper = None
         self._inner = None
-        self._untimed = True
+        # Whether calls run Keras's own train function, not a twin (then
+        # nothing times their input).
+        self._runs_keras_step = True
         # Instrumented twins (timed, or counting only) by (id(function),
         # timed): (function, twin).
-        self._timed = {}
+        self._twins = {}
         self._step_scope = None
 
     @property

@@ -16,7 +16,6 @@ import tensorflow as tf
 
 from keras_mgpu import compat
 from keras_mgpu import strategy as strategy_lib
-from keras_mgpu.runtime.skipping import _Skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +87,7 @@ class _RuntimeCounters:
     def time_input(self) -> tf.Variable:
         """Asks for input timing (from the next batch on); returns the float64
         variable holding this process's seconds waited for input."""
-        self._timing = True
+        self._timing_asked = True
         return self.input_wait_variable
 
     @property
@@ -245,3 +244,26 @@ class _RuntimeCounters:
 
 def _int(value) -> Optional[int]:
     return None if value is None else int(value)
+
+
+@dataclasses.dataclass
+class _Skip:
+    """What a resume skips of its first epoch."""
+
+    epoch: int
+    batches: int  # of the epoch (this run's, once the batch size is seen)
+    samples: Optional[float]  # they hold (None: skip by batches)
+    before_epoch: int  # batches of the iterator read in earlier epochs
+    keras_count: int  # Keras's count of those
+    skipped: int = 0
+    skipped_samples: float = 0.0
+    checked: bool = False
+
+    def __post_init__(self):
+        self.saved_batches = self.batches
+
+    @property
+    def done(self) -> bool:
+        if self.samples is None:
+            return self.skipped >= self.batches
+        return self.skipped_samples >= self.samples

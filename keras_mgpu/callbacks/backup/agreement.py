@@ -3,14 +3,14 @@ to restore, whether to stop for a SIGTERM save)."""
 
 from __future__ import annotations
 
-from keras_mgpu import _collectives
+from keras_mgpu import backend
 from keras_mgpu import strategy as strategy_lib
 
 
 def sum_over_workers(strategy, value: float) -> float:
     """The sum of one number over every worker (a collective when > 1)."""
-    return _collectives.sum_over_workers(strategy, value,
-                                         strategy_lib.num_workers())
+    return backend.active().sum_over_workers(strategy, value,
+                                             strategy_lib.num_workers())
 
 
 def check_same_generation(strategy, number: int, backup_dir: str) -> None:

@@ -223,6 +223,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         restart_if_unusable: bool = False,
     ):
         super().__init__()
+        # Before its `fit`, which then records its callbacks and data.
+        compat.record_fits()
         keep = check_arguments(
             backup_dir, save_freq, double_checkpoint, delete_checkpoint, keep,
             save_on_sigterm, exit_code, restart_if_unusable)
@@ -276,7 +278,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         runtime = training_runtime(model)
         runtime.train_begin(self)
         strategy = model.distribute_strategy
-        callbacks = list(compat.callback_siblings(self) or [])
+        running = compat.running_fit(model)
+        callbacks = [] if running is None else running.callbacks
         self._fit = _Fit(
             runtime=runtime, strategy=strategy,
             chief=strategy_lib.is_chief(),

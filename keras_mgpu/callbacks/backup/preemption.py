@@ -54,7 +54,7 @@ class SigtermNotice:
         # another callback never says it ended, so the flag is confirmed
         # with Keras's `fit` itself.
         return (self._model is not None
-                and compat.fit_epoch_iterator(self._model) is not None)
+                and compat.running_fit(self._model) is not None)
 
     def _on_sigterm(self, signum, frame) -> None:
         if self._fit_running():

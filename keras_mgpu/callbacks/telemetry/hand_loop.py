@@ -24,9 +24,9 @@ class _HandLoop:
         self._tracker_resets = True
 
     def begin(self, model) -> None:
-        """At train begin: whether `fit` drives this run, read from Keras's
-        own state (its `fit` has an epoch iterator running on `model`)."""
-        self.active = compat.fit_epoch_iterator(model) is None
+        """At train begin: whether `fit` drives this run (Keras's `fit` is
+        running on `model`)."""
+        self.active = compat.running_fit(model) is None
         self._given = None
         self._counting = False
         if self.active:

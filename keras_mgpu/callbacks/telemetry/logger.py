@@ -204,6 +204,8 @@ class DistributedLogger(keras.callbacks.Callback):
         console: bool = True,
     ):
         super().__init__()
+        # Before its `fit`, which then records its callbacks and data.
+        compat.record_fits()
         _validate(log_dir, update_freq, batch_size, wandb, profile_steps,
                   console)
         self.log_dir = os.fspath(log_dir)

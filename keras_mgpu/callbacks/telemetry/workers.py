@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from keras_mgpu import _collectives
+from keras_mgpu import backend
 from keras_mgpu.callbacks.telemetry.records import _input_bound
 
 
@@ -49,8 +49,8 @@ def _spread_over_workers(strategy, workers: int, measured: list) -> None:
     """Adds the cross-worker figures to each of `measured` (a window, and
     the epoch at its end): one gather for all of them."""
     rows = [_worker_row(m) for m in measured]
-    gathered = _collectives.gather_rows(strategy, np.concatenate(rows),
-                                        workers)
+    gathered = backend.active().gather_rows(
+        strategy, np.concatenate(rows), workers)
     width = rows[0].size
     for i, m in enumerate(measured):
         m.update(_across_workers(gathered[:, i * width:(i + 1) * width]))

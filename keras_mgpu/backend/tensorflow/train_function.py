@@ -13,7 +13,7 @@ from keras_mgpu import compat
 from keras_mgpu import strategy as strategy_lib
 
 
-class _TrainFunctionWrapper:
+class TrainFunctionWrapper:
     """`TrainingRuntime`'s wrapper of the model's train function."""
 
     # --- the train function --------------------------------------------------
@@ -31,10 +31,10 @@ class _TrainFunctionWrapper:
         # (and times the fetches, if asked): a call of several steps may
         # hold fewer batches than `steps_per_execution` where the data ends.
         twin = None
-        if self._timing or self._steps_per_call > 1:
-            twin = self._twin(inner, timed=self._timing)
-        step = twin if self._timing and twin is not None else inner
-        self._untimed = step is inner
+        if self._timing_asked or self._steps_per_call > 1:
+            twin = self._twin(inner, timed=self._timing_asked)
+        step = twin if self._timing_asked and twin is not None else inner
+        self._runs_keras_step = step is inner
 
         def train_function(iterator):
             self._read_from(iterator)
@@ -56,7 +56,7 @@ class _TrainFunctionWrapper:
         # Cached by the function it instruments: a function swapped out and
         # back gets the same twin, with no retrace.
         key = (id(inner), timed)
-        cached = self._timed.get(key)
+        cached = self._twins.get(key)
         if cached is None or cached[0] is not inner:
             if self._batches_read is None:
                 self._batches_read = strategy_lib.local_variable(0, tf.int64)
@@ -65,7 +65,7 @@ class _TrainFunctionWrapper:
                 inner, seconds_waited=(self.input_wait_variable if timed
                                        else None),
                 batches_read=self._batches_read))
-            self._timed[key] = cached
+            self._twins[key] = cached
         return cached[1]
 
     def _scoped(self, function, iterator):
@@ -147,8 +147,8 @@ class _TrainFunctionWrapper:
     @property
     def input_timed(self) -> bool:
         """Whether the batch in progress has its input wait timed."""
-        return (self._timing and self._wrapper is not None
-                and not self._untimed and self.batch_trains)
+        return (self._timing_asked and self._wrapper is not None
+                and not self._runs_keras_step and self.batch_trains)
 
     def _uninstall(self) -> None:
         model = self.model
@@ -159,7 +159,7 @@ class _TrainFunctionWrapper:
         # Keep the twin of the function a next `fit` will call, not those of
         # functions Keras has dropped (a recompile makes a new one).
         current = getattr(model, "train_function", None)
-        self._timed = {key: entry for key, entry in self._timed.items()
+        self._twins = {key: entry for key, entry in self._twins.items()
                        if entry[0] is current}
 
 

@@ -1,6 +1,6 @@
 """Resuming mid-epoch: skipping the batches the interrupted run trained on.
 
-`TrainingRuntime.resume()` records what to skip (a `_Skip`); the train
+`TrainingRuntime.resume()` records what to skip (the runtime's `_Skip`); the train
 function's wrapper then reads those batches without training on them, and
 refuses the resume where this run's data or batch size cannot end where the
 saved run's did.
@@ -8,18 +8,16 @@ saved run's did.
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
-from typing import Optional
 
 import tensorflow as tf
 
 from keras_mgpu import compat
 from keras_mgpu import strategy as strategy_lib
-from keras_mgpu.runtime.train_function import _next
+from keras_mgpu.backend.tensorflow.train_function import _next
 
 
-class _ResumeSkipping:
+class ResumeSkipping:
     """`TrainingRuntime`'s skipping of what a resumed run already trained."""
 
     # --- resuming: skipping what the interrupted run trained -----------------
@@ -167,30 +165,6 @@ class _ResumeSkipping:
             "steps_per_epoch) the backup was made with, or start fresh with "
             "a new backup_dir."
         )
-
-
-@dataclasses.dataclass
-class _Skip:
-    """What a resume skips of its first epoch."""
-
-    epoch: int
-    batches: int  # of the epoch (this run's, once the batch size is seen)
-    samples: Optional[float]  # they hold (None: skip by batches)
-    before_epoch: int  # batches of the iterator read in earlier epochs
-    keras_count: int  # Keras's count of those
-    skipped: int = 0
-    skipped_samples: float = 0.0
-    checked: bool = False
-
-    def __post_init__(self):
-        self.saved_batches = self.batches
-
-    @property
-    def done(self) -> bool:
-        if self.samples is None:
-            return self.skipped >= self.batches
-        return self.skipped_samples >= self.samples
-
 
 
 def _global_batch(strategy, element) -> int:

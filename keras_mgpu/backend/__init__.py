@@ -1,0 +1,56 @@
+"""The backend seam: what keras-mgpu does differently on each Keras backend.
+
+`active()` is the module of the backend Keras runs on. Everything that
+depends on how a backend trains or communicates sits in that module, and
+the rest of keras-mgpu reaches it only through these names:
+
+- `NAME`: the Keras backend it serves (`keras.backend.backend()`);
+- `gather_rows(strategy, row, num_workers)` and
+  `sum_over_workers(strategy, value, num_workers)`: host values from every
+  worker, for the logger's cross-worker figures and the backup's agreement;
+- `TrainFunctionWrapper` and `ResumeSkipping`: the halves of
+  `keras_mgpu.runtime.TrainingRuntime` that replace `model.train_function`
+  (counting and timing what each call reads) and skip what a resumed run
+  already trained on. They are mixins of the runtime and keep their state
+  on it (`keras_mgpu/runtime/core.py` lists it).
+
+A second backend is a package next to `tensorflow/` providing the same
+names, and its entry in `_BACKENDS`.
+
+Example:
+
+>>> active().NAME
+'tensorflow'
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
+from typing import Optional
+
+import keras
+
+_BACKENDS = {"tensorflow": "keras_mgpu.backend.tensorflow"}
+
+
+def active(name: Optional[str] = None) -> ModuleType:
+    """The backend module for the Keras backend `name`.
+
+    Args:
+        name: A Keras backend's name. Defaults to None: the one Keras runs
+            on (`keras.backend.backend()`).
+
+    Raises:
+        ImportError: keras-mgpu has no module for that backend.
+    """
+    name = keras.backend.backend() if name is None else name
+    module = _BACKENDS.get(name)
+    if module is None:
+        raise ImportError(
+            f"keras-mgpu needs Keras's TensorFlow backend, but the active "
+            f"backend is {name!r} (KERAS_BACKEND="
+            f"{os.environ.get('KERAS_BACKEND')!r}). Set "
+            "KERAS_BACKEND=tensorflow before importing keras or keras_mgpu.")
+    return importlib.import_module(module)

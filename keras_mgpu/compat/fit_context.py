@@ -1,0 +1,122 @@
+"""The `fit` running on a model, as its callbacks cannot see it
+(keras/src/backend/tensorflow/trainer.py, keras/src/trainers/epoch_iterator.py):
+the callbacks it was given and the epoch iterator feeding its train function.
+
+Keras gives a callback its model and `params`, not the list of callbacks it
+runs in nor the epoch iterator whose position a resume continues. Once a
+keras-mgpu callback or runtime exists (`record_fits()`), the trainer's `fit`
+records itself while it runs, and an `EpochIterator` made inside it is
+recorded as that fit's (the first: the training data's; validation's comes
+later). Both wrappers only record: what `fit` does is Keras's own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+from typing import Optional
+
+from keras_mgpu.compat._core import _internals_error, _require, _require_module
+from keras_mgpu.compat.keras_trainer import trainer_class
+from keras_mgpu.compat.registry import _RUNNING_FIT
+
+_EPOCH_ITERATOR = "keras.src.trainers.epoch_iterator"
+
+
+@dataclasses.dataclass
+class RunningFit:
+    """A `fit` in progress on one model.
+
+    Args:
+        model: The model `fit` was called on.
+        callbacks: The callbacks it was given, in their order (a
+            `CallbackList`'s own list where it was given one).
+        epoch_iterator: Keras's epoch iterator of its training data, once
+            made (None before).
+    """
+
+    model: object
+    callbacks: list
+    epoch_iterator: object = None
+
+
+# The fits running on this thread, innermost last: an epoch iterator made
+# on a thread belongs to the fit running there.
+_local = threading.local()
+_lock = threading.Lock()
+_recording = False
+
+
+def _running() -> list:
+    if not hasattr(_local, "fits"):
+        _local.fits = []
+    return _local.fits
+
+
+def record_fits() -> None:
+    """Makes every later `fit` record itself while it runs (once per process;
+    called as a keras-mgpu callback or runtime is made, before its `fit`)."""
+    global _recording
+    with _lock:
+        if _recording:
+            return
+        trainer = trainer_class(_RUNNING_FIT)
+        fit = _require(trainer, "fit", _RUNNING_FIT,
+                       params=("self", "x", "y", "batch_size", "epochs",
+                               "verbose", "callbacks"))
+        iterator_class = _require(_require_module(_EPOCH_ITERATOR,
+                                                  _RUNNING_FIT),
+                                  "EpochIterator", _RUNNING_FIT)
+        make_iterator = iterator_class.__init__
+        # What the runtime reads of an epoch iterator, set by its `__init__`.
+        missing = [name for name in ("steps_per_epoch", "_current_iterator",
+                                     "_steps_seen")
+                   if name not in make_iterator.__code__.co_names]
+        if missing:
+            raise _internals_error(
+                f"`EpochIterator.__init__` setting {', '.join(missing)}",
+                _RUNNING_FIT)
+
+        @functools.wraps(fit)
+        def recorded_fit(self, *args, **kwargs):
+            callbacks = kwargs.get("callbacks", args[5] if len(args) > 5
+                                   else None)
+            fits = _running()
+            fits.append(RunningFit(self, _flat_callbacks(callbacks)))
+            try:
+                return fit(self, *args, **kwargs)
+            finally:
+                fits.pop()
+
+        @functools.wraps(make_iterator)
+        def recorded_init(self, *args, **kwargs):
+            make_iterator(self, *args, **kwargs)
+            fits = _running()
+            if fits and fits[-1].epoch_iterator is None:
+                fits[-1].epoch_iterator = self
+
+        recorded_fit.keras_stock = fit
+        recorded_init.keras_stock = make_iterator
+        trainer.fit = recorded_fit
+        iterator_class.__init__ = recorded_init
+        _recording = True
+
+
+def running_fit(model) -> Optional[RunningFit]:
+    """The innermost `fit` running on `model` on this thread, or None (not
+    inside Keras's `fit`: a hand-written loop, or `fit` has returned)."""
+    for fit in reversed(_running()):
+        if fit.model is model:
+            return fit
+    return None
+
+
+def _flat_callbacks(callbacks) -> list:
+    import keras
+
+    if callbacks is None:
+        return []
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        return list(callbacks.callbacks)
+    return list(keras.tree.flatten(callbacks))
