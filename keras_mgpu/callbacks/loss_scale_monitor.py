@@ -9,7 +9,7 @@ import numpy as np
 
 from keras_mgpu import compat
 from keras_mgpu.layers.fp32_output_head import FP32OutputHead
-from keras_mgpu.runtime import training_runtime
+from keras_mgpu.runtime import RuntimeCallback
 
 
 def loss_scale(optimizer) -> float | None:
@@ -39,7 +39,7 @@ def loss_scale(optimizer) -> float | None:
     return None
 
 
-class LossScaleMonitor(keras.callbacks.Callback):
+class LossScaleMonitor(RuntimeCallback):
     """Logs the loss scale, the steps skipped for overflow and non-finite values.
 
     Adds to the batch and epoch logs of `fit` (so to Keras's progress bar and
@@ -108,8 +108,6 @@ class LossScaleMonitor(keras.callbacks.Callback):
         log_prefix: str = "",
     ):
         super().__init__()
-        # Before its `fit`, which then records its callbacks and data.
-        compat.record_fits()
         if max_consecutive_skips < 1:
             raise ValueError(
                 "max_consecutive_skips must be >= 1, got "
@@ -133,8 +131,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
         return getattr(self.model, "optimizer", None)
 
     def on_train_begin(self, logs=None):
-        self._runtime = training_runtime(self.model)
-        self._runtime.train_begin(self)
+        super().on_train_begin(logs)
         self._last_counts = None
         self.consecutive_skips = 0
         self._heads = [
@@ -145,22 +142,22 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self._shown_heads = set()
 
     def on_epoch_begin(self, epoch, logs=None):
-        self._runtime.epoch_begin(epoch)
+        super().on_epoch_begin(epoch, logs)
         self.skipped_steps = 0
         self.nonfinite_counts = {
             head.name: {"inputs": 0, "outputs": 0} for head in self._heads
         }
 
     def on_train_batch_begin(self, batch, logs=None):
-        self._runtime.train_batch_begin(batch)
+        super().on_train_batch_begin(batch, logs)
         if self._last_counts is None:
             # After any resume (restored in on_train_begin).
-            self._last_counts = self._runtime.update_counts()
+            self._last_counts = self.runtime.update_counts()
 
     def on_train_batch_end(self, batch, logs=None):
+        super().on_train_batch_end(batch, logs)
         logs = logs if logs is not None else {}
-        self._runtime.train_batch_end(batch)
-        attempted, applied = self._runtime.update_counts()
+        attempted, applied = self.runtime.update_counts()
         last_attempted, last_applied = self._last_counts
         self._last_counts = attempted, applied
         if attempted > last_attempted:
@@ -187,9 +184,6 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self._count_heads()
         self._add_to(logs)
 
-    def on_test_begin(self, logs=None):
-        self._runtime.test_begin()
-
     def on_test_end(self, logs=None):
         # Validation's forward passes are not training batches: start the
         # next batch's count after them.
@@ -197,12 +191,9 @@ class LossScaleMonitor(keras.callbacks.Callback):
             self._head_totals = self._read_heads()
 
     def on_epoch_end(self, epoch, logs=None):
-        self._runtime.epoch_end(epoch)
+        super().on_epoch_end(epoch, logs)
         if logs is not None:
             self._add_to(logs)
-
-    def on_train_end(self, logs=None):
-        self._runtime.train_end()
 
     def _read_heads(self) -> dict:
         return {head.name: head.nonfinite_counts for head in self._heads}

@@ -13,7 +13,6 @@ import time
 import warnings
 from typing import Optional, Union
 
-import keras
 import tensorflow as tf
 
 from keras_mgpu import compat
@@ -33,7 +32,7 @@ from keras_mgpu.callbacks.backup.restore import Restored, restore_latest
 from keras_mgpu.callbacks.backup.schedule import SaveSchedule
 from keras_mgpu.callbacks.backup.snapshot import HostSnapshot
 from keras_mgpu.callbacks.backup.store import GenerationStore
-from keras_mgpu.runtime import TrainingRuntime, training_runtime
+from keras_mgpu.runtime import RuntimeCallback, TrainingRuntime
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +47,7 @@ class _Fit:
     store: GenerationStore
 
 
-class BackupAndRestore(keras.callbacks.Callback):
+class BackupAndRestore(RuntimeCallback):
     """Backs up training state so that a rerun resumes exactly where it died.
 
     Kill the training process at any point (SIGKILL, mid-epoch, mid
@@ -223,8 +222,6 @@ class BackupAndRestore(keras.callbacks.Callback):
         restart_if_unusable: bool = False,
     ):
         super().__init__()
-        # Before its `fit`, which then records its callbacks and data.
-        compat.record_fits()
         keep = check_arguments(
             backup_dir, save_freq, double_checkpoint, delete_checkpoint, keep,
             save_on_sigterm, exit_code, restart_if_unusable)
@@ -275,8 +272,8 @@ class BackupAndRestore(keras.callbacks.Callback):
                           f"earlier fit failed: {error}", stacklevel=2)
         self._host.forget_layout()
         model = self.model
-        runtime = training_runtime(model)
-        runtime.train_begin(self)
+        super().on_train_begin(logs)
+        runtime = self.runtime
         strategy = model.distribute_strategy
         running = compat.running_fit(model)
         callbacks = [] if running is None else running.callbacks
@@ -321,7 +318,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._preemption.fit_started(model)
 
     def on_epoch_begin(self, epoch, logs=None):
-        self._fit.runtime.epoch_begin(epoch)
+        super().on_epoch_begin(epoch, logs)
         self._save_pending_epoch_end()
         self._schedule.epoch = epoch
         if self._restored.callback_states is not None:
@@ -331,12 +328,9 @@ class BackupAndRestore(keras.callbacks.Callback):
                                    self._restored.callback_states)
             self._restored.callback_states = None
 
-    def on_train_batch_begin(self, batch, logs=None):
-        self._fit.runtime.train_batch_begin(batch)
-
     def on_train_batch_end(self, batch, logs=None):
+        super().on_train_batch_end(batch, logs)
         runtime = self._fit.runtime
-        runtime.train_batch_end(batch)
         self._refresh_lock()
         if self._write is not None and self._write.done():
             self._finish_write()  # raises here if the write failed
@@ -364,11 +358,8 @@ class BackupAndRestore(keras.callbacks.Callback):
             )
             raise SystemExit(self.exit_code)
 
-    def on_test_begin(self, logs=None):
-        self._fit.runtime.test_begin()
-
     def on_epoch_end(self, epoch, logs=None):
-        self._fit.runtime.epoch_end(epoch)
+        super().on_epoch_end(epoch, logs)
         started = self._schedule.due_at_epoch_end(epoch)
         if started is not None:
             self._save(started, 0)
@@ -379,7 +370,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._save(started, 0)
 
     def on_train_end(self, logs=None):
-        self._fit.runtime.train_end()
+        super().on_train_end(logs)
         self._preemption.fit_ended()
         if not self.delete_checkpoint:
             self._save_pending_epoch_end()

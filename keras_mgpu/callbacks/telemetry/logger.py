@@ -29,10 +29,10 @@ from keras_mgpu.callbacks.telemetry.sinks import Sinks
 from keras_mgpu.callbacks.telemetry.state import _Fit, _Progress
 from keras_mgpu.callbacks.telemetry.summaries import _ModelSummaries
 from keras_mgpu.callbacks.telemetry.workers import _spread_over_workers
-from keras_mgpu.runtime import training_runtime
+from keras_mgpu.runtime import RuntimeCallback
 
 
-class DistributedLogger(keras.callbacks.Callback):
+class DistributedLogger(RuntimeCallback):
     """Logs throughput, timing and training state, written by the chief only.
 
     Every `update_freq` train batches (a "window") and at every epoch end,
@@ -204,8 +204,6 @@ class DistributedLogger(keras.callbacks.Callback):
         console: bool = True,
     ):
         super().__init__()
-        # Before its `fit`, which then records its callbacks and data.
-        compat.record_fits()
         _validate(log_dir, update_freq, batch_size, wandb, profile_steps,
                   console)
         self.log_dir = os.fspath(log_dir)
@@ -249,8 +247,8 @@ class DistributedLogger(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         compat.check_summary_support()
-        runtime = training_runtime(self.model)
-        runtime.train_begin(self)
+        super().on_train_begin(logs)
+        runtime = self.runtime
         # `fit` reads Keras's compiled step; a hand-written loop (driving a
         # `CallbackList` itself, `train_on_batch` included) gives its values
         # in the logs of each batch end.
@@ -295,7 +293,7 @@ class DistributedLogger(keras.callbacks.Callback):
             self._summaries.enter(runtime, self._sinks.run_writer("train"))
 
     def on_epoch_begin(self, epoch, logs=None):
-        self._fit.runtime.epoch_begin(epoch)
+        super().on_epoch_begin(epoch, logs)
         self._lines.flush()
         self._log_resumes()
         self._progress.begin_epoch(epoch)
@@ -306,7 +304,7 @@ class DistributedLogger(keras.callbacks.Callback):
         now = time.perf_counter()
         fit, progress = self._fit, self._progress
         runtime = fit.runtime
-        runtime.train_batch_begin(batch)
+        super().on_train_batch_begin(batch, logs)
         if not runtime.batch_trains:
             return  # replayed by a resume: nothing trained, nothing logged
         last = progress.last_begin
@@ -345,6 +343,7 @@ class DistributedLogger(keras.callbacks.Callback):
         # In `fit`, nothing: a record reads the compiled step. Keras calls
         # batch ends in order, before the next batch begins (on TensorFlow
         # it never dispatches them to another thread).
+        super().on_train_batch_end(batch, logs)
         self._hand_loop.batch_end(self._progress.epoch, batch, logs)
 
     def on_test_begin(self, logs=None):
@@ -354,7 +353,7 @@ class DistributedLogger(keras.callbacks.Callback):
         progress = self._progress
         self._hand_loop.count(self.model, progress.window,
                               progress.epoch_span)
-        self._fit.runtime.test_begin()
+        super().on_test_begin(logs)
         self._profiler.end_step()
         if progress.in_epoch and progress.epoch_record is None:
             self._finish_epoch()
@@ -366,7 +365,7 @@ class DistributedLogger(keras.callbacks.Callback):
         progress = self._progress
         self._hand_loop.count(self.model, progress.window,
                               progress.epoch_span)
-        self._fit.runtime.epoch_end(epoch)
+        super().on_epoch_end(epoch, logs)
         self._profiler.end_step()
         self._summaries.record(False)
         if progress.epoch_record is None:
@@ -382,7 +381,7 @@ class DistributedLogger(keras.callbacks.Callback):
                 self._lines.epoch_end(record, self.params)
 
     def on_train_end(self, logs=None):
-        self._fit.runtime.train_end()
+        super().on_train_end(logs)
         self._profiler.stop()
         self._summaries.leave()
         self._lines.flush()

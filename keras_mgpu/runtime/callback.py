@@ -1,0 +1,67 @@
+"""The base of keras-mgpu's callbacks: Keras's hooks told to the runtime once."""
+
+from __future__ import annotations
+
+import keras
+
+from keras_mgpu import compat
+from keras_mgpu.runtime.core import TrainingRuntime, training_runtime
+
+
+class RuntimeCallback(keras.callbacks.Callback):
+    """A Keras callback that drives its model's `TrainingRuntime`.
+
+    Each training hook tells the runtime first (`train_begin`,
+    `epoch_begin`, `train_batch_begin`, ...); the runtime acts once per
+    event, so several such callbacks in one list, in any order, count each
+    batch once. A subclass that overrides a hook calls `super()` first, then
+    reads the runtime's counters. Making one also has every later `fit`
+    record its callbacks and data (`keras_mgpu.compat.running_fit`), which
+    the runtime reads.
+
+    Example:
+
+    >>> import numpy as np, keras
+    >>> class Steps(RuntimeCallback):
+    ...     def on_train_batch_end(self, batch, logs=None):
+    ...         super().on_train_batch_end(batch, logs)
+    ...         self.step = self.runtime.global_step
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    >>> model.compile("sgd", "mse")
+    >>> steps = Steps()
+    >>> _ = model.fit(np.ones((32, 4)), np.ones((32, 1)), batch_size=8,
+    ...               epochs=2, verbose=0, callbacks=[steps])
+    >>> steps.step
+    8
+    """
+
+    def __init__(self):
+        super().__init__()
+        # Before its `fit`, which then records its callbacks and data.
+        compat.record_fits()
+
+    @property
+    def runtime(self) -> TrainingRuntime:
+        """The runtime of the model being trained."""
+        return training_runtime(self.model)
+
+    def on_train_begin(self, logs=None):
+        self.runtime.train_begin(self)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.runtime.epoch_begin(epoch)
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.runtime.train_batch_begin(batch)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.runtime.train_batch_end(batch)
+
+    def on_test_begin(self, logs=None):
+        self.runtime.test_begin()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.runtime.epoch_end(epoch)
+
+    def on_train_end(self, logs=None):
+        self.runtime.train_end()
