@@ -31,12 +31,6 @@ def is_flag(value) -> bool:
     return isinstance(value, (bool, np.bool_))
 
 
-def is_url(path: str) -> bool:
-    """Whether `path` names a `tf.io.gfile` file system (`gs://`, `ram://`)
-    rather than a local path."""
-    return "://" in path
-
-
 def is_nonempty_path(value) -> bool:
     """Whether `value` is a `str` or `os.PathLike` naming something."""
     return isinstance(value, (str, os.PathLike)) and bool(os.fspath(value))

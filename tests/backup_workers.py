@@ -39,10 +39,10 @@ def train(backup_dir, preset="preemptible", save_freq=4, accum_steps=None,
     import tensorflow as tf
 
     from keras_mgpu.callbacks import BackupAndRestore
-    from keras_mgpu.callbacks.backup import store as _backup_store
+    from keras_mgpu import _fs
     from tests import workers
 
-    write = _backup_store._write_file
+    write = _fs.write_file
     held = threading.Event()
 
     def holding_write(path, data):
@@ -58,7 +58,7 @@ def train(backup_dir, preset="preemptible", save_freq=4, accum_steps=None,
             workers.hold_until_killed()
 
     if hold_write_of is not None:
-        _backup_store._write_file = holding_write
+        _fs.write_file = holding_write
 
     keras.utils.set_random_seed(0)
     global_batch = 16
@@ -252,6 +252,7 @@ def _hold_the_store_at(stage, generation):
     """Wraps the store's stage functions (see `train_steps`)."""
     import threading
 
+    from keras_mgpu import _fs
     from keras_mgpu.callbacks.backup import store
     from tests import workers
 
@@ -273,7 +274,7 @@ def _hold_the_store_at(stage, generation):
 
         store.GenerationStore._mark = held_mark
     elif stage == "marker":
-        write = store._write_file
+        write = _fs.write_file
 
         def held_write(path, data):
             if f"/{name}/.MANIFEST.json.tmp-" in path:
@@ -281,7 +282,7 @@ def _hold_the_store_at(stage, generation):
                 hold()
             write(path, data)
 
-        store._write_file = held_write
+        _fs.write_file = held_write
     elif stage == "committed":
         prune = store.GenerationStore.prune
 
@@ -292,14 +293,14 @@ def _hold_the_store_at(stage, generation):
 
         store.GenerationStore.prune = held_prune
     elif stage == "pruning":
-        remove = store._remove
+        remove = _fs.remove_tree
 
         def held_remove(path):
             if path.endswith(f"/{name}"):
                 hold()
             remove(path)
 
-        store._remove = held_remove
+        _fs.remove_tree = held_remove
     else:
         raise ValueError(f"unknown stage {stage!r}")
 

@@ -1254,18 +1254,18 @@ import sys
 import threading
 import keras
 from keras_mgpu.callbacks import BackupAndRestore
-from keras_mgpu.callbacks.backup import store as _backup_store
+from keras_mgpu import _fs
 from tests import workers
 
 # The write of the step-4 generation is held until the exception that ends
 # the script has reached the top: only the process's exit can let it finish.
 release = threading.Event()
-write = _backup_store._write_file
+write = _fs.write_file
 def held_write(path, data):
     if "/.tmp-2-" in path:
         assert release.wait(timeout=workers.HOLD_SECONDS)
     write(path, data)
-_backup_store._write_file = held_write
+_fs.write_file = held_write
 hook = sys.excepthook
 def excepthook(*args):
     hook(*args)

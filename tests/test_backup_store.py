@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from keras_mgpu.callbacks.backup import store as _backup_store
+from keras_mgpu import _fs
 from keras_mgpu.callbacks.backup.store import (CorruptGeneration,
                                                 GenerationStore, WriteFailed)
 
@@ -168,7 +168,7 @@ def test_the_marker_is_written_atomically(tmp_path, monkeypatch):
     """A marker write that fails midway leaves no marker (and no temporary
     file): the generation stays uncommitted, the older ones untouched."""
     store = store_with(tmp_path)
-    original = _backup_store._write_file
+    original = _fs.write_file
 
     def half_then_fail(path, data):
         if "/.MANIFEST.json.tmp-" in path:
@@ -176,7 +176,7 @@ def test_the_marker_is_written_atomically(tmp_path, monkeypatch):
             raise OSError(errno.ENOSPC, "No space left on device")
         original(path, data)
 
-    monkeypatch.setattr(_backup_store, "_write_file", half_then_fail)
+    monkeypatch.setattr(_fs, "write_file", half_then_fail)
     with pytest.raises(WriteFailed) as error:
         store.write(FILES)
     assert (error.value.number, error.value.previous) == (3, 2)
@@ -187,14 +187,14 @@ def test_the_marker_is_written_atomically(tmp_path, monkeypatch):
                                                    "gen-00000002"]
 
 
-@pytest.mark.parametrize("stage", ["_write_file", "_rename"])
+@pytest.mark.parametrize("stage", ["write_file", "rename"])
 def test_a_failed_write_leaves_nothing(tmp_path, monkeypatch, stage):
     store = store_with(tmp_path)
     before = {p: open(os.path.join(dirpath, p), "rb").read()
               for dirpath, _, names in os.walk(store.directory)
               for p in names}
     calls = []
-    original = getattr(_backup_store, stage)
+    original = getattr(_fs, stage)
 
     def fail_second(*args):
         calls.append(args)
@@ -202,7 +202,7 @@ def test_a_failed_write_leaves_nothing(tmp_path, monkeypatch, stage):
             raise OSError(errno.EIO, "I/O error")
         return original(*args)
 
-    monkeypatch.setattr(_backup_store, stage, fail_second)
+    monkeypatch.setattr(_fs, stage, fail_second)
     with pytest.raises(WriteFailed, match="could not write generation 3"):
         store.write(FILES)
     after = {p: open(os.path.join(dirpath, p), "rb").read()
@@ -216,7 +216,7 @@ def test_pruning_removes_the_marker_first(tmp_path, monkeypatch):
     missing."""
     store = store_with(tmp_path, generations=1, keep=1)
     seen = []
-    original = _backup_store._remove
+    original = _fs.remove_tree
 
     def remove(path):
         if "/gen-" in path:
@@ -224,7 +224,7 @@ def test_pruning_removes_the_marker_first(tmp_path, monkeypatch):
                 os.path.join(path, "MANIFEST.json"))))
         original(path)
 
-    monkeypatch.setattr(_backup_store, "_remove", remove)
+    monkeypatch.setattr(_fs, "remove_tree", remove)
     store.write(FILES)
     assert seen == [(store.path(1), False)]
     assert store.generations() == [2]

@@ -604,13 +604,13 @@ def test_local_or_url_log_dir_appends_after_a_torn_line(tmp_path, monkeypatch,
 
 
 def test_url_jsonl_is_rewritten_where_append_is_unsupported(tmp_path):
-    from keras_mgpu.callbacks.telemetry import sinks as _sinks
+    from keras_mgpu import _fs
 
     path = f"ram://keras_mgpu_test/{tmp_path.name}/metrics.jsonl"
     with tf.io.gfile.GFile(path, "w") as f:
         f.write(_TORN)
     # The fallback for file systems that cannot append, on a real one.
-    jsonl = _sinks._rewrite_jsonl(path, _sinks._torn(path))
+    jsonl = _fs._rewrite_to_append(path, _fs._ends_torn(path))
     jsonl.write('{"kind": "epoch"}\n')
     jsonl.close()
     with tf.io.gfile.GFile(path) as f:

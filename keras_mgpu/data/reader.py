@@ -4,16 +4,17 @@ checked against their `spec.json` and read back, batched for the strategy."""
 from __future__ import annotations
 
 import os
+from functools import partial
 from typing import Callable, Optional
 
 import tensorflow as tf
 
+from keras_mgpu import _fs
 from keras_mgpu._checks import (
     is_flag,
     is_integer,
     is_nonempty_path,
     is_positive_integer,
-    is_url,
 )
 from keras_mgpu import strategy as strategy_lib
 from keras_mgpu.data.spec import SPEC_FILE, _check_regular, read_spec
@@ -148,7 +149,7 @@ def tfrecord_dataset(
         strategy,
         f"tfrecord_dataset(per_replica_batch_size={per_replica_batch_size})",
     )
-    files = sorted(tf.io.gfile.glob(pattern))
+    files = sorted(_fs.glob(pattern))
     if not files:
         raise FileNotFoundError(
             f"No files match {pattern!r}. Check the path, or write shards "
@@ -240,7 +241,7 @@ def verify_tfrecords(pattern: str) -> int:
     5
     """
     pattern = _check_pattern(pattern)
-    files = sorted(tf.io.gfile.glob(pattern))
+    files = sorted(_fs.glob(pattern))
     if not files:
         raise FileNotFoundError(f"No files match {pattern!r}.")
     spec, expected = _check_files(files)
@@ -308,11 +309,12 @@ def _check_files(files: list):
         for name in spec["files"]:
             path = names.get(name, f"{folder}/{name}")
             try:
-                # Only the files read must have their size; the others in
-                # the folder must be there.
-                size = _file_size(path) if name in names else (
-                    tf.io.gfile.stat(path).length)
-            except (FileNotFoundError, tf.errors.NotFoundError):
+                # Only the files read must have their size (and be regular
+                # files: TFRecordDataset would block on a FIFO); the others
+                # in the folder must be there.
+                size = _fs.size(path, partial(_check_regular, path)
+                                if name in names else None)
+            except _fs.NOT_FOUND:
                 raise ValueError(
                     f"Shard {path!r}, one of the {len(listed)} files "
                     f"{spec_path!r} lists, is missing (deleted, or not "
@@ -331,14 +333,6 @@ def _check_files(files: list):
             if name in names:
                 expected[path] = listed[name], spec_path
     return first[0], expected
-
-
-def _file_size(path: str) -> int:
-    if is_url(path):
-        return tf.io.gfile.stat(path).length
-    info = os.stat(path)
-    _check_regular(path, info.st_mode)  # TFRecordDataset would block on a FIFO
-    return info.st_size
 
 
 def _verify(files, parse, expected: dict, read_all: bool) -> int:

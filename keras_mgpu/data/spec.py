@@ -6,22 +6,22 @@ from __future__ import annotations
 import json
 import os
 import stat
+from functools import partial
 from typing import Optional
 
 import tensorflow as tf
 
+from keras_mgpu import _fs
 from keras_mgpu._checks import (
     file_kind,
     is_integer,
     is_nonempty_path,
     is_positive_int,
-    is_url,
 )
 from keras_mgpu.data.structure import _MAX_DEPTH, _depth_beyond, _flat_names
 
 SPEC_FILE = "spec.json"
 SPEC_VERSION = 2  # 2: nested structures (a tree of tuples and dicts)
-_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 
 
 def read_spec(directory: str) -> dict:
@@ -45,13 +45,14 @@ def read_spec(directory: str) -> dict:
         included) is a `ValueError` naming the file.
     """
     path = f"{_check_directory(directory)}/{SPEC_FILE}"
-    if not tf.io.gfile.exists(path):
+    if not _fs.exists(path):
         raise FileNotFoundError(
             f"No {SPEC_FILE} in {directory!r}: write the shards with "
             "keras_mgpu.data.write_tfrecords, which saves the spec beside "
             "them."
         )
-    raw = _read_regular_file(path)
+    # Never blocks on a FIFO (reading one waits for a writer).
+    raw = _fs.read_bytes(path, check=partial(_check_regular, path))
     try:
         spec = json.loads(raw)
     except RecursionError:
@@ -79,18 +80,6 @@ def read_spec(directory: str) -> dict:
         spec["examples_per_file"] = _round_robin(spec["num_examples"],
                                                  len(spec["files"]))
     return spec
-
-
-def _read_regular_file(path: str) -> bytes:
-    """The bytes of `path`; a `ValueError` naming it if it is not a regular
-    file. Never blocks on a FIFO (reading one waits for a writer)."""
-    if is_url(path):
-        with tf.io.gfile.GFile(path, "rb") as f:
-            return f.read()
-    _check_regular(path, os.stat(path).st_mode)
-    with os.fdopen(os.open(path, os.O_RDONLY | _NONBLOCK), "rb") as f:
-        _check_regular(path, os.fstat(f.fileno()).st_mode)  # replaced since?
-        return f.read()
 
 
 def _check_regular(path: str, mode: int) -> None:

@@ -11,6 +11,7 @@ from typing import Any, Mapping, Sequence, Union
 
 import tensorflow as tf
 
+from keras_mgpu import _fs
 from keras_mgpu._checks import is_positive_integer
 from keras_mgpu.data.spec import (
     SPEC_FILE,
@@ -130,8 +131,8 @@ def write_tfrecords(
     spec_path = f"{directory}/{SPEC_FILE}"
     suffix = f".partial-{uuid.uuid4().hex[:12]}"
     partials = [p + suffix for p in paths] + [spec_path + suffix]
-    created = not tf.io.gfile.isdir(directory or "/")
-    tf.io.gfile.makedirs(directory or "/")
+    created = not _fs.isdir(directory or "/")
+    _fs.makedirs(directory or "/")
     opened, renamed = [], []
     try:
         shapes, count = _write_shards(dataset, fields, partials[:-1], opened)
@@ -148,29 +149,25 @@ def write_tfrecords(
             "num_examples": count,
             "files": [p.rsplit("/", 1)[-1] for p in paths],
             "examples_per_file": _round_robin(count, num_shards),
-            "bytes_per_file": [
-                tf.io.gfile.stat(p).length for p in partials[:-1]],
+            "bytes_per_file": [_fs.size(p) for p in partials[:-1]],
         }
-        with tf.io.gfile.GFile(partials[-1], "w") as f:
-            f.write(json.dumps(spec, indent=1))
+        # The shards are not synced either (TFRecordWriter does not).
+        _fs.write_file(partials[-1], json.dumps(spec, indent=1).encode(),
+                       sync=False)
         # The old spec goes first: until the new one is in place, the folder
         # has no spec (a clear error) rather than one that fits no shard.
-        if tf.io.gfile.exists(spec_path):
-            tf.io.gfile.remove(spec_path)
+        if _fs.exists(spec_path):
+            _fs.remove_file(spec_path)
         for partial, path in zip(partials, paths + [spec_path]):
-            tf.io.gfile.rename(partial, path, overwrite=True)
+            _fs.rename(partial, path)
             renamed.append(path)
     except BaseException:
         for path in opened + partials[-1:] + renamed:
-            try:
-                if tf.io.gfile.exists(path):
-                    tf.io.gfile.remove(path)
-            except tf.errors.OpError:
-                pass
+            _fs.remove_file_quietly(path)
         try:
-            if created and not tf.io.gfile.listdir(directory):
-                tf.io.gfile.rmtree(directory)
-        except tf.errors.OpError:
+            if created and not _fs.listdir(directory):
+                _fs.remove_tree(directory)
+        except _fs.ERRORS:
             pass
         raise
     _warn_stale_shards(directory, name, paths)
@@ -193,7 +190,7 @@ def _warn_stale_shards(directory: str, name: str, paths: list) -> None:
     # matching them. Named now, but not deleted: they are the user's files.
     ours = re.compile(re.escape(name) + r"-\d{5}-of-\d{5}\.tfrecord")
     written = {p.rsplit("/", 1)[-1] for p in paths}
-    stale = sorted(n for n in tf.io.gfile.listdir(directory or "/")
+    stale = sorted(n for n in _fs.listdir(directory or "/")
                    if ours.fullmatch(n) and n not in written)
     if stale:
         warnings.warn(

@@ -89,8 +89,8 @@ class OwnerLock:
         self.directory = os.fspath(directory).rstrip("/")
         self.path = f"{self.directory}/{LOCK_NAME}"
         self.what = what
-        # Not keras_mgpu._checks.is_url: this module imports only the
-        # standard library (a lock holder need not load TensorFlow).
+        # Not keras_mgpu._fs.is_url: this module imports only the standard
+        # library (a lock holder need not load TensorFlow); `_fs` does URLs.
         self._local = "://" not in self.directory
         self._record: Optional[dict] = None
         self._last_refresh = 0.0  # time.monotonic() of the last lock write
@@ -108,7 +108,7 @@ class OwnerLock:
         if self._local:
             os.makedirs(self.directory, exist_ok=True)
         else:
-            _tf().io.gfile.makedirs(self.directory)
+            _fs().makedirs(self.directory)
         now = time.time()
         record = {**_identity(), "token": uuid.uuid4().hex, "started": now,
                   "heartbeat": now}
@@ -164,7 +164,7 @@ class OwnerLock:
         record, self._record = self._record, None
         if record is None:
             return
-        errors = (OSError,) if self._local else (OSError, _tf().errors.OpError)
+        errors = (OSError,) if self._local else _fs().ERRORS
         try:
             # Only a run that thinks this one dead replaces the lock: the
             # moment between this read and the removal does not matter.
@@ -174,7 +174,7 @@ class OwnerLock:
         except (FileNotFoundError, _NotARegularFile):
             pass  # gone, or something else took its name: not ours
         except errors as e:
-            if self._local or not isinstance(e, _tf().errors.NotFoundError):
+            if self._local or not isinstance(e, _fs().NOT_FOUND):
                 # Training is over: a lock left behind only delays the next
                 # run until this process is seen dead.
                 warnings.warn(f"{self.what}: could not remove {self.path} "
@@ -342,7 +342,7 @@ class OwnerLock:
         """Writes `data` to `path` if nothing (not even a link or a
         directory) is there; False if something is."""
         if not self._local:
-            if _tf().io.gfile.exists(path):
+            if _fs().exists(path):
                 return False
             self._write(path, data)
             return True
@@ -382,8 +382,7 @@ class OwnerLock:
         return True
 
     def _tmp_file(self, data: bytes) -> str:
-        # ".tmp-" leftovers of a crash are swept by BackupAndRestore.
-        tmp = f"{self.directory}/.tmp-lock-{uuid.uuid4().hex}"
+        tmp = self._tmp_name()
         try:
             with os.fdopen(os.open(tmp, _CREATE, 0o644), "wb") as f:
                 f.write(data)
@@ -393,45 +392,37 @@ class OwnerLock:
             raise
         return tmp
 
+    def _tmp_name(self) -> str:
+        # ".tmp-" leftovers of a crash are swept by BackupAndRestore.
+        return f"{self.directory}/.tmp-lock-{uuid.uuid4().hex}"
+
     def _write(self, path: str, data: bytes) -> None:
         """Replaces `path` by `data`: written whole, then renamed over it,
         so no reader sees half of it."""
-        if self._local:
-            tmp = self._tmp_file(data)
-            try:
-                os.replace(tmp, path)  # replaces a link, not its target
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.remove(tmp)
-                raise
+        if not self._local:
+            _fs().write_atomically(path, data, tmp=self._tmp_name())
             return
-        gfile = _tf().io.gfile
-        tmp = f"{self.directory}/.tmp-lock-{uuid.uuid4().hex}"
+        tmp = self._tmp_file(data)
         try:
-            with gfile.GFile(tmp, "wb") as f:
-                f.write(data)
-            # Not an overwrite in place: ram:// appends to what is there.
-            gfile.rename(tmp, path, overwrite=True)
+            os.replace(tmp, path)  # replaces a link, not its target
         except BaseException:
-            with contextlib.suppress(Exception):
-                gfile.remove(tmp)
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
             raise
 
     def _remove(self, path: str) -> None:
         if self._local:
             os.remove(path)
         else:
-            _tf().io.gfile.remove(path)
+            _fs().remove_file(path)
 
     def _read_raw(self, path: str):
         """The bytes of `path`, or `_MISSING`; refuses anything but a
         regular file without blocking on it."""
         if not self._local:
-            tf = _tf()
             try:
-                with tf.io.gfile.GFile(path, "rb") as f:
-                    return f.read()
-            except tf.errors.NotFoundError:
+                return _fs().read_bytes(path)
+            except _fs().NOT_FOUND:
                 return _MISSING
         try:
             self._refuse_odd(path)
@@ -544,7 +535,8 @@ def _alive(pid: int, process_start: Optional[int]) -> bool:
     return process_start is None or current is None or current == process_start
 
 
-def _tf():
-    import tensorflow as tf  # only for URLs: the module imports cheaply
+def _fs():
+    # Only for URLs: the module imports without TensorFlow.
+    from keras_mgpu import _fs
 
-    return tf
+    return _fs

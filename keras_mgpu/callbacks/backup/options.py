@@ -6,9 +6,8 @@ from __future__ import annotations
 import os
 from typing import Optional, Union
 
-import tensorflow as tf
-
-from keras_mgpu._checks import is_nonempty_path, is_positive_int, is_url
+from keras_mgpu import _fs
+from keras_mgpu._checks import is_nonempty_path, is_positive_int
 
 
 def check_arguments(
@@ -78,7 +77,7 @@ def check_arguments(
 
 def _check_backup_dir(path: str) -> None:
     """Refuses a `backup_dir` that names no directory of its own."""
-    if is_url(path):
+    if _fs.is_url(path):
         scheme, location = path.split("://", 1)
         if not location.strip("/"):
             raise ValueError(
@@ -99,7 +98,7 @@ def _check_backup_dir(path: str) -> None:
 def check_writable(store) -> None:
     try:
         store.check_writable()
-    except (tf.errors.OpError, OSError) as e:
+    except _fs.ERRORS as e:
         raise PermissionError(
             f"BackupAndRestore cannot write to backup_dir={store.directory!r} "
             f"({type(e).__name__}: {e}). Choose a writable directory; any "

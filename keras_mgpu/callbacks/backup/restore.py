@@ -9,9 +9,8 @@ import warnings
 from typing import Optional
 
 import numpy as np
-import tensorflow as tf
 
-from keras_mgpu import compat
+from keras_mgpu import _fs, compat
 from keras_mgpu.callbacks._console import print_msg
 from keras_mgpu.callbacks.backup import agreement, generation
 from keras_mgpu.callbacks.backup.compatibility import (check_compatible,
@@ -35,7 +34,7 @@ def restore_latest(model, fit, backup_dir: str, params: Optional[dict], *,
     if there is none. `fit`: who takes part (`runtime`, `strategy`, `chief`,
     `multi_worker`, `store`)."""
     store = fit.store
-    if fit.chief and tf.io.gfile.exists(backup_dir):
+    if fit.chief and _fs.exists(backup_dir):
         # What killed saves left: uncommitted, so never read.
         store.remove_leftovers()
     found = store.latest_usable(generation.REQUIRED,

@@ -24,15 +24,13 @@ import dataclasses
 import errno
 import hashlib
 import json
-import os
 import re
 import shutil
+import stat
 import uuid
 from typing import Callable, Iterable, Mapping, Optional
 
-import tensorflow as tf
-
-from keras_mgpu._checks import is_url
+from keras_mgpu import _fs
 
 MANIFEST = "MANIFEST.json"
 GENERATION_PREFIX = "gen-"
@@ -108,7 +106,7 @@ class GenerationStore:
 
     def path(self, number: int) -> str:
         """The directory of generation `number`."""
-        return _join(self.directory, f"{GENERATION_PREFIX}{number:08d}")
+        return _fs.join(self.directory, f"{GENERATION_PREFIX}{number:08d}")
 
     def read(self, number: int, required: Iterable[str] = ()) -> dict:
         """The files of generation `number`, name to bytes, each verified.
@@ -119,14 +117,14 @@ class GenerationStore:
         """
         path = self.path(number)
         listed = _parse_manifest(
-            _read_checked(_join(path, MANIFEST), MANIFEST, None), number)
+            _read_checked(_fs.join(path, MANIFEST), MANIFEST, None), number)
         missing = sorted(set(required) - set(listed))
         if missing:
             raise CorruptGeneration(
                 f"its manifest does not list {', '.join(missing)}")
         contents = {}
         for name, (size, digest) in listed.items():
-            data = _read_checked(_join(path, name), name, size)
+            data = _read_checked(_fs.join(path, name), name, size)
             if hashlib.sha256(data).hexdigest() != digest:
                 raise CorruptGeneration(f"{name} fails its checksum")
             contents[name] = data
@@ -157,10 +155,11 @@ class GenerationStore:
     def check_writable(self) -> None:
         """Creates `directory` if needed and writes a probe file there;
         raises `OSError` or `tf.errors.OpError` if it cannot."""
-        probe = _join(self.directory, f"{TMP_PREFIX}probe-{uuid.uuid4().hex}")
-        tf.io.gfile.makedirs(self.directory)
-        _write_file(probe, b"")
-        tf.io.gfile.remove(probe)
+        probe = _fs.join(self.directory,
+                         f"{TMP_PREFIX}probe-{uuid.uuid4().hex}")
+        _fs.makedirs(self.directory)
+        _fs.write_file(probe, b"")
+        _fs.remove_file(probe)
 
     def write(self, files: Mapping[str, object]) -> int:
         """Writes `files` (name to bytes, or a memoryview of them) as the
@@ -172,49 +171,50 @@ class GenerationStore:
         """
         previous = self.generations()
         number = self._next_number()
-        tmp = _join(self.directory, f"{TMP_PREFIX}{number}-{uuid.uuid4().hex}")
+        tmp = _fs.join(self.directory,
+                       f"{TMP_PREFIX}{number}-{uuid.uuid4().hex}")
         final = self.path(number)
         manifest = {"generation": number, "files": {
             name: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
             for name, data in files.items()
         }}
         try:
-            tf.io.gfile.makedirs(self.directory)
-            if not is_url(self.directory):
+            _fs.makedirs(self.directory)
+            if not _fs.is_url(self.directory):
                 # A clear error before anything is written, rather than a
                 # half-written file.
                 _check_room(self.directory,
                             sum(len(data) for data in files.values()))
-            tf.io.gfile.makedirs(tmp)
+            _fs.makedirs(tmp)
             for name, data in files.items():
-                _write_file(_join(tmp, name), data)
+                _fs.write_file(_fs.join(tmp, name), data)
             self._commit(tmp, final, manifest)
-        except (OSError, tf.errors.OpError) as e:
-            _remove_quietly(tmp)
+        except _fs.ERRORS as e:
+            _fs.remove_tree_quietly(tmp)
             _discard_quietly(final)
             raise WriteFailed(number, tmp, previous[0] if previous else None,
                               e) from e
         try:
             self.prune()
-        except (OSError, tf.errors.OpError) as e:
+        except _fs.ERRORS as e:
             raise PruneFailed(number, e) from e
         return number
 
     def _commit(self, tmp: str, final: str, manifest: dict) -> None:
         # Files, not the directory, are renamed: some TensorFlow filesystems
         # (ram://, object stores) do not rename directories.
-        tf.io.gfile.makedirs(final)
-        _sync_dir(self.directory)
+        _fs.makedirs(final)
+        _fs.sync_dir(self.directory)
         for name in manifest["files"]:
-            _rename(_join(tmp, name), _join(final, name))
-        _sync_dir(final)
+            _fs.rename(_fs.join(tmp, name), _fs.join(final, name))
+        _fs.sync_dir(final)
         self._mark(final, manifest)
-        _remove(tmp)
+        _fs.remove_tree(tmp)
 
     def _mark(self, final: str, manifest: dict) -> None:
         """Commits the generation in `final`: its manifest, atomically."""
-        _write_atomically(_join(final, MANIFEST),
-                          json.dumps(manifest).encode())
+        _fs.write_atomically(_fs.join(final, MANIFEST),
+                             json.dumps(manifest).encode())
 
     # --- removing ------------------------------------------------------------
 
@@ -231,9 +231,9 @@ class GenerationStore:
         """Removes what writes cut short left: `.tmp-*` entries and
         generation directories without a manifest. Only the writing process
         may call it, with no write in flight."""
-        for name in _entries(self.directory):
+        for name in _fs.listdir(self.directory):
             if name.startswith(TMP_PREFIX):
-                _remove(_join(self.directory, name))
+                _fs.remove_tree(_fs.join(self.directory, name))
         for _, name in self._numbered():
             if not self._committed(name):
                 self._retire(name)
@@ -243,38 +243,38 @@ class GenerationStore:
         `directory` itself if that left it empty (and it is no link)."""
         for _, name in sorted(self._numbered()):
             self._retire(name)
-        for name in _entries(self.directory):
+        for name in _fs.listdir(self.directory):
             if name.startswith(TMP_PREFIX):
-                _remove(_join(self.directory, name))
-        if (tf.io.gfile.exists(self.directory)
-                and not _is_link(self.directory)
-                and not _entries(self.directory)):
-            tf.io.gfile.rmtree(self.directory)
+                _fs.remove_tree(_fs.join(self.directory, name))
+        if (_fs.exists(self.directory)
+                and not _fs.is_link(self.directory)
+                and not _fs.listdir(self.directory)):
+            _fs.remove_tree(self.directory)
 
     def _retire(self, name: str) -> None:
-        path = _join(self.directory, name)
-        if _is_link(path):
-            os.remove(path)  # the link, never what it points to
+        path = _fs.join(self.directory, name)
+        if _fs.is_link(path):
+            _fs.remove_tree(path)  # the link, never what it points to
             return
         # The manifest first: a generation half removed is uncommitted.
-        marker = _join(path, MANIFEST)
-        if tf.io.gfile.exists(marker):
-            tf.io.gfile.remove(marker)
-        _remove(path)
+        marker = _fs.join(path, MANIFEST)
+        if _fs.exists(marker):
+            _fs.remove_file(marker)
+        _fs.remove_tree(path)
 
     # --- names ---------------------------------------------------------------
 
     def _numbered(self) -> list:
         """(number, entry name) of each `gen-*` entry, committed or not."""
         found = []
-        for name in _entries(self.directory):
+        for name in _fs.listdir(self.directory):
             suffix = name[len(GENERATION_PREFIX):]
             if name.startswith(GENERATION_PREFIX) and suffix.isdigit():
                 found.append((int(suffix), name))
         return found
 
     def _committed(self, name: str) -> bool:
-        return tf.io.gfile.exists(_join(self.directory, name, MANIFEST))
+        return _fs.exists(_fs.join(self.directory, name, MANIFEST))
 
     def _next_number(self) -> int:
         # Past uncommitted directories too: a write never reuses one.
@@ -329,97 +329,28 @@ def _read_checked(path: str, name: str, size: Optional[int]) -> bytes:
     """The bytes of the file `name` at `path`, if it is a regular file of
     `size` bytes (of at most `_MANIFEST_LIMIT` for `size=None`)."""
     limit = _MANIFEST_LIMIT if size is None else size
-    try:
-        if is_url(path):
-            found = tf.io.gfile.stat(path).length
-        else:
-            import stat
 
-            info = os.stat(path)
-            if not stat.S_ISREG(info.st_mode):
-                # A FIFO would block the read; a directory has no bytes.
-                raise CorruptGeneration(f"{name} is not a regular file")
-            found = info.st_size
+    def check(mode):
+        if not stat.S_ISREG(mode):
+            # A FIFO would block the read; a directory has no bytes.
+            raise CorruptGeneration(f"{name} is not a regular file")
+
+    try:
+        found = _fs.size(path, check)
         if found > limit or (size is not None and found != size):
             raise CorruptGeneration(
                 f"{name} has {found} bytes, "
                 + ("more than a manifest holds" if size is None
                    else f"the manifest says {size}"))
-        with tf.io.gfile.GFile(path, "rb") as f:
-            data = f.read(limit + 1)
-    except (FileNotFoundError, tf.errors.NotFoundError):
+        data = _fs.read_bytes(path, limit + 1, check)
+    except _fs.NOT_FOUND:
         raise CorruptGeneration(f"{name} is missing") from None
-    except (OSError, tf.errors.OpError) as e:
+    except _fs.ERRORS as e:
         raise CorruptGeneration(
             f"{name} cannot be read ({type(e).__name__}: {e})") from None
     if len(data) != found:  # changed while it was read
         raise CorruptGeneration(f"{name} changed while it was read")
     return data
-
-
-def _write_file(path: str, data) -> None:
-    """Writes `data` (bytes, or a memoryview of them) to `path`, flushed to
-    the disk when it is local (not atomic: see `_write_atomically`)."""
-    if is_url(path):
-        with tf.io.gfile.GFile(path, "wb") as f:
-            f.write(bytes(data))  # GFile takes bytes only
-        return
-    # A memoryview goes to disk as it is: no copy of a large weights file.
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _write_atomically(path: str, data: bytes) -> None:
-    """Writes `path` so that it is complete or absent: under a temporary
-    name in its directory, then renamed over it."""
-    directory, name = path.rsplit("/", 1)
-    tmp = _join(directory, f".{name}{TMP_PREFIX}{uuid.uuid4().hex}")
-    try:
-        _write_file(tmp, data)
-        _rename(tmp, path)
-    except BaseException:
-        _remove_file_quietly(tmp)
-        raise
-    _sync_dir(directory)
-
-
-def _rename(source: str, target: str) -> None:
-    if is_url(source):
-        tf.io.gfile.rename(source, target, overwrite=True)
-    else:
-        os.replace(source, target)
-
-
-def _sync_dir(directory: str) -> None:
-    """Makes the entries of a local `directory` (renames into it) durable."""
-    if is_url(directory) or not hasattr(os, "O_DIRECTORY"):
-        return
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    except OSError as e:
-        # Some filesystems cannot sync a directory: nothing more to do.
-        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
-            raise
-    finally:
-        os.close(fd)
-
-
-def _join(*parts: str) -> str:
-    return "/".join(p.rstrip("/") for p in parts)
-
-
-def _entries(directory: str) -> list:
-    if not tf.io.gfile.exists(directory):
-        return []
-    return [name.rstrip("/") for name in tf.io.gfile.listdir(directory)]
-
-
-def _is_link(path: str) -> bool:
-    # Only local paths can be links; "scheme://" ones are never.
-    return not is_url(path) and os.path.islink(path)
 
 
 def _check_room(directory: str, needed: int) -> None:
@@ -440,39 +371,13 @@ def _check_room(directory: str, needed: int) -> None:
                       f"generation needs about {needed}")
 
 
-def _remove(path: str) -> None:
-    """Deletes an entry of the store's directory, never what a link points
-    to (a recursive delete through a link empties its target)."""
-    if _is_link(path):
-        os.remove(path)
-    else:
-        tf.io.gfile.rmtree(path)
-
-
-def _remove_quietly(path: str) -> None:
-    # Cleaning up after a failed write, which may fail the same way.
-    try:
-        if tf.io.gfile.exists(path):
-            _remove(path)
-    except (OSError, tf.errors.OpError):
-        pass
-
-
 def _discard_quietly(final: str) -> None:
     """Removes an uncommitted generation directory a failed write made."""
     try:
-        if tf.io.gfile.exists(final):
-            marker = _join(final, MANIFEST)
-            if tf.io.gfile.exists(marker):
-                tf.io.gfile.remove(marker)
-            _remove(final)
-    except (OSError, tf.errors.OpError):
-        pass
-
-
-def _remove_file_quietly(path: str) -> None:
-    try:
-        if tf.io.gfile.exists(path):
-            tf.io.gfile.remove(path)
-    except (OSError, tf.errors.OpError):
+        if _fs.exists(final):
+            marker = _fs.join(final, MANIFEST)
+            if _fs.exists(marker):
+                _fs.remove_file(marker)
+            _fs.remove_tree(final)
+    except _fs.ERRORS:
         pass

@@ -10,7 +10,7 @@ import threading
 import weakref
 from typing import Optional
 
-from keras_mgpu._checks import is_url
+from keras_mgpu import _fs
 
 
 class LogDirInUse(RuntimeError):
@@ -51,7 +51,7 @@ def _claim_log_dir(logger) -> None:
     for a URL only this process is checked.
     """
     log_dir = logger.log_dir
-    local = not is_url(log_dir)
+    local = not _fs.is_url(log_dir)
     key = os.path.realpath(log_dir) if local else log_dir
     here = threading.get_ident()
     with _CLAIMS_LOCK:

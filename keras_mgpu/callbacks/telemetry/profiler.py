@@ -8,6 +8,8 @@ from typing import Optional
 
 import tensorflow as tf
 
+from keras_mgpu import _fs
+
 
 class _Profiler:
     """Captures the profile of batches `start` to `stop` (global steps, both
@@ -30,7 +32,7 @@ class _Profiler:
         if self._sinks is None and start <= step <= stop:
             try:
                 tf.profiler.experimental.start(
-                    tf.io.gfile.join(self._log_dir, "train")
+                    _fs.join(self._log_dir, "train")
                 )
                 self._sinks = sinks
                 # Nothing of the logger's own in the profile: its background

@@ -14,7 +14,7 @@ from typing import Optional
 
 import tensorflow as tf
 
-from keras_mgpu._checks import is_url
+from keras_mgpu import _fs
 from keras_mgpu.callbacks.telemetry.tensorboard import tensorboard_scalars
 
 # The writer thread flushes every output and exits once nothing has been
@@ -56,7 +56,7 @@ class Sinks:
     """
 
     def __init__(self, log_dir: str, wandb_config: Optional[dict]):
-        tf.io.gfile.makedirs(log_dir)
+        _fs.makedirs(log_dir)
         # A flush syncs the file (fsync). By default the writer syncs every
         # 10 events: with a record's ~20 scalars, two fsyncs per window.
         # Sync at most every second, after every epoch record and when the
@@ -67,8 +67,8 @@ class Sinks:
         # by the writer thread.
         self._writers_lock = threading.Lock()
         self.run_writer("train")
-        self._jsonl = _open_jsonl(tf.io.gfile.join(log_dir, "metrics.jsonl"))
-        self._jsonl_local = not is_url(log_dir)
+        self._jsonl = _fs.open_append(_fs.join(log_dir, "metrics.jsonl"))
+        self._jsonl_local = not _fs.is_url(log_dir)
         # `submit` may be called from Keras's callback thread (a hand-written
         # loop's batch ends): one record at a time, in order.
         self._submit_lock = threading.Lock()
@@ -84,7 +84,7 @@ class Sinks:
             # is fixed at the process's first `wandb.init`.
             config.setdefault("dir", (
                 os.environ.get("WANDB_DIR") or os.getcwd()
-            ) if is_url(log_dir) else log_dir)
+            ) if _fs.is_url(log_dir) else log_dir)
             # Absolute: wandb-core writes some files (files/output.log)
             # itself, resolving a relative dir against its own working
             # directory, and a child process reuses its parent's wandb-core
@@ -248,7 +248,7 @@ class Sinks:
             if run in self._writers:
                 return self._writers[run][0]
         writer = tf.summary.create_file_writer(
-            tf.io.gfile.join(self._log_dir, run),
+            _fs.join(self._log_dir, run),
             max_queue=10_000, flush_millis=1_000,
         )
         write = _event_writer(writer).get_concrete_function()
@@ -302,58 +302,6 @@ def _close_when_collected(sinks: Sinks) -> None:
     later, against writers gone by then)."""
     with tf.init_scope():
         sinks.close()
-
-
-def _open_jsonl(path: str):
-    """Opens the JSONL file for appending, after a newline if a killed run
-    left a torn last line (so only that line is unreadable)."""
-    if not is_url(path):
-        jsonl = open(path, "a+b")
-        if jsonl.tell():
-            jsonl.seek(-1, os.SEEK_END)
-            if jsonl.read(1) != b"\n":
-                jsonl.write(b"\n")
-        jsonl.close()
-        return open(path, "a")
-    if not tf.io.gfile.exists(path):
-        # Some file systems append only to a file that exists.
-        jsonl = tf.io.gfile.GFile(path, "w")
-        jsonl.write("")
-        return jsonl
-    torn = _torn(path)
-    jsonl = tf.io.gfile.GFile(path, "a")
-    try:
-        # GFile opens on its first write: this one raises where the file
-        # system cannot append.
-        jsonl.write("\n" if torn else "")
-    except tf.errors.UnimplementedError:
-        return _rewrite_jsonl(path, torn)
-    jsonl.flush()
-    return jsonl
-
-
-def _torn(path: str) -> bool:
-    """Whether the file at a URL ends in a torn line."""
-    size = tf.io.gfile.stat(path).length
-    if not size:
-        return False
-    with tf.io.gfile.GFile(path, "rb") as f:
-        f.seek(size - 1)
-        return f.read(1) != b"\n"
-
-
-def _rewrite_jsonl(path: str, torn: bool):
-    """The JSONL file at a URL whose file system cannot append: its lines
-    rewritten, a torn last one closed off, and open to write more."""
-    with tf.io.gfile.GFile(path, "rb") as f:
-        content = f.read()
-    # Removed first: "w" need not truncate (ram:// does not, in TF 2.21).
-    # A crash before the flush below loses the old lines.
-    tf.io.gfile.remove(path)
-    jsonl = tf.io.gfile.GFile(path, "w")
-    jsonl.write(content + (b"\n" if torn else b""))
-    jsonl.flush()
-    return jsonl
 
 
 def _event_writer(writer):
