@@ -298,7 +298,8 @@ def test_runs_are_created_on_first_use(log_dir):
         sinks.close()
 
 
-def test_drain_writes_and_flushes_the_events_and_keeps_them_open(log_dir):
+def test_drain_returns_once_the_events_are_written_and_keeps_them_open(
+        log_dir):
     sinks = Sinks(log_dir, None)
     try:
         sinks.submit(make_record(step=4, metrics={"loss": 0.5}))
@@ -323,7 +324,11 @@ def test_held_records_reach_tensorboard_only_after_release(log_dir):
         sinks.submit(held)
         # The local line is written at once, held or not.
         assert read_back(log_dir) == [json.dumps(held)]
-        sinks.run_writer("train").flush()
+        # Had it been queued, a writer thread would write it, flush, and
+        # end once idle: after waiting for every one, its events would be
+        # on disk.
+        for thread in writer_threads():
+            thread.join(timeout=60)
         assert "batch_loss" not in event_tensors(log_dir)
         sinks.release()
         sinks.drain()
