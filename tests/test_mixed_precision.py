@@ -1,6 +1,7 @@
-"""keras_mgpu.mixed_precision: policy choice, audit, loss-scale telemetry."""
+"""keras_mgpu.mixed_precision: policy choice, audit, what the progress bar shows.
 
-import warnings
+LossScaleMonitor has its own file, tests/test_loss_scale_monitor.py.
+"""
 
 import keras
 import numpy as np
@@ -10,9 +11,6 @@ from keras_mgpu import GradientAccumulationModel
 from keras_mgpu import mixed_precision
 from keras_mgpu.layers import FP32OutputHead
 from keras_mgpu.mixed_precision import LossScaleMonitor, audit
-from tests.conftest import mirrored
-from tests.test_accumulation import batches_dataset, micro_batches
-from tests import workers
 
 
 @pytest.fixture
@@ -216,97 +214,6 @@ def test_strict_lists_every_finding(policy):
     with pytest.raises(ValueError) as error:
         audit(model, strict=True)
     assert "3 problem(s)" in str(error.value)
-
-
-# --- LossScaleMonitor ---------------------------------------------------------
-
-
-def poisoned_batches(count, bad_batches, size=8):
-    batches = [list(b) for b in micro_batches([size] * count)]
-    for index in bad_batches:
-        batches[index][1] = batches[index][1].copy()
-        batches[index][1][0] = np.nan
-    return batches_dataset(batches)
-
-
-def monitored_fit(strategy, data, accum_steps=None, epochs=1, **monitor_kw):
-    with strategy.scope():
-        inner = workers.build_mlp()
-        model = inner if accum_steps is None else GradientAccumulationModel(
-            inner, accum_steps=accum_steps)
-        model.compile(keras.optimizers.LossScaleOptimizer(
-            keras.optimizers.SGD(0.01)), "mse")
-    monitor = LossScaleMonitor(**monitor_kw)
-    seen = []
-
-    class Record(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            # The window's position, read from the model: whether
-            # GradientAccumulationModel logs it is its own choice.
-            seen.append(dict(logs, micro_step=getattr(
-                self.model, "micro_step", None)))
-
-    history = model.fit(data, epochs=epochs, verbose=0, shuffle=False,
-                        callbacks=[monitor, Record()])
-    return model, monitor, history, seen
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("policy", ["mixed_float16"], indirect=True)
-@pytest.mark.parametrize("replicas", [1, 2])
-def test_monitor_counts_a_skipped_step(policy, replicas):
-    # A NaN label in batch 2; under 2 replicas its first sample lands on the
-    # first replica (see test_fp32_output_head on Keras's finite check).
-    model, monitor, history, seen = monitored_fit(
-        mirrored(replicas), poisoned_batches(6, [2]))
-    assert int(model.optimizer.iterations.numpy()) == 5
-    assert [s["skipped_steps"] for s in seen] == [0, 0, 1, 1, 1, 1]
-    assert [s["loss_scale"] for s in seen[:4]] == \
-        [2.0 ** 15, 2.0 ** 15, 2.0 ** 14, 2.0 ** 14]
-    assert history.history["skipped_steps"] == [1]
-    assert history.history["skipped_steps_total"] == [1]
-    assert history.history["loss_scale"] == [2.0 ** 14]
-    assert monitor.skipped_steps_total == 1
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("policy", ["mixed_float16"], indirect=True)
-@pytest.mark.parametrize("replicas", [1, 2])
-def test_monitor_counts_a_skipped_window_once(policy, replicas):
-    # 12 micro-batches, accum_steps=4: windows 0-3, 4-7, 8-11. NaN labels in
-    # two micro-batches of window 2: one skipped window.
-    model, monitor, history, seen = monitored_fit(
-        mirrored(replicas), poisoned_batches(12, [5, 6]), accum_steps=4)
-    assert int(model.optimizer.iterations.numpy()) == 2
-    assert [s["micro_step"] for s in seen] == [1, 2, 3, 0] * 3
-    assert [s["skipped_steps"] for s in seen] == [0] * 7 + [1] * 5
-    assert history.history["skipped_steps"] == [1]
-    assert history.history["loss_scale"] == [2.0 ** 14]
-
-
-@pytest.mark.parametrize("policy", ["mixed_float16"], indirect=True)
-def test_monitor_warns_on_consecutive_skips_and_low_scale(policy):
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        _, monitor, history, _ = monitored_fit(
-            mirrored(1), poisoned_batches(5, [0, 1, 2, 3]),
-            max_consecutive_skips=3, min_scale=2.0 ** 13)
-    messages = [str(w.message) for w in caught
-                if issubclass(w.category, RuntimeWarning)]
-    assert sum("3 consecutive" in m for m in messages) == 1
-    # 2**15 halved four times: below 2**13 after the third skip.
-    assert sum("fell below min_scale" in m for m in messages) == 1
-    assert history.history["skipped_steps"] == [4]
-    assert history.history["loss_scale"] == [2.0 ** 11]
-
-
-def test_monitor_counts_per_epoch_and_total(reset_policy):
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    _, monitor, history, _ = monitored_fit(
-        mirrored(1), poisoned_batches(4, [1]), epochs=2)
-    # The same poisoned batch each epoch: one skip per epoch.
-    assert history.history["skipped_steps"] == [1, 1]
-    assert history.history["skipped_steps_total"] == [1, 2]
 
 
 # --- What keras-mgpu adds to Keras's progress bar -------------------------------

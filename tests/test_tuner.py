@@ -90,10 +90,16 @@ def test_scaled_schedule_lives_outside_the_tuner_module():
     assert mgpu_tuner.ScaledSchedule is keras_mgpu.schedules.ScaledSchedule
     assert keras.saving.get_registered_object("keras_mgpu>ScaledSchedule") \
         is keras_mgpu.schedules.ScaledSchedule
-    base = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.5)
-    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
-    model.compile(keras.optimizers.SGD(base), "mse")
-    mgpu_tuner._set_learning_rate(model, 0.1, 2.0)
+    def build(hp):
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        model.compile(keras.optimizers.SGD(
+            keras.optimizers.schedules.ExponentialDecay(
+                hp.Fixed("learning_rate", 0.1), 10, 0.5)), "mse")
+        return model
+
+    # The tuner's scaling of a schedule: x2 (one replica, 2 micro-batches).
+    model = mgpu_tuner.StrategyAwareHyperModel(build, accum_steps=2).build(
+        keras_tuner.HyperParameters())
     schedule = model.optimizer.get_config()["learning_rate"]
     assert schedule["registered_name"] == "keras_mgpu>ScaledSchedule"
     assert schedule["module"] == "keras_mgpu.schedules"

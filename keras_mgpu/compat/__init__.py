@@ -57,6 +57,7 @@ from keras_mgpu.compat.callbacks import check_backup_support  # noqa: F401
 from keras_mgpu.compat.callbacks import set_initial_epoch  # noqa: F401
 from keras_mgpu.compat.fit_context import RunningFit  # noqa: F401
 from keras_mgpu.compat.fit_context import record_fits  # noqa: F401
+from keras_mgpu.compat.fit_context import record_fits_from_import  # noqa: F401
 from keras_mgpu.compat.fit_context import running_fit  # noqa: F401
 from keras_mgpu.compat.keras_trainer import _copied_originals  # noqa: F401
 from keras_mgpu.compat.keras_trainer import enable_multi_step_fit  # noqa: F401

@@ -3,11 +3,12 @@
 the callbacks it was given and the epoch iterator feeding its train function.
 
 Keras gives a callback its model and `params`, not the list of callbacks it
-runs in nor the epoch iterator whose position a resume continues. Once a
-keras-mgpu callback or runtime exists (`record_fits()`), the trainer's `fit`
-records itself while it runs, and an `EpochIterator` made inside it is
-recorded as that fit's (the first: the training data's; validation's comes
-later). Both wrappers only record: what `fit` does is Keras's own.
+runs in nor the epoch iterator whose position a resume continues. From
+`import keras_mgpu` on, the trainer's `fit` records itself while it runs,
+and an `EpochIterator` made inside it is recorded as that fit's (the first:
+the training data's; validation's comes later). Both wrappers only record:
+what `fit` does is Keras's own. `record_fits()` checks, where keras-mgpu's
+callbacks and runtime are made, that this Keras has what they rely on.
 """
 
 from __future__ import annotations
@@ -17,11 +18,17 @@ import functools
 import threading
 from typing import Optional
 
-from keras_mgpu.compat._core import _internals_error, _require, _require_module
-from keras_mgpu.compat.keras_trainer import trainer_class
+import keras
+
+from keras_mgpu.compat._core import (
+    _import_module, _internals_error, _require, _require_module)
+from keras_mgpu.compat.keras_trainer import _TF_TRAINER, trainer_class
 from keras_mgpu.compat.registry import _RUNNING_FIT
 
 _EPOCH_ITERATOR = "keras.src.trainers.epoch_iterator"
+# `fit`'s leading parameters: `callbacks` is read by position or name.
+_FIT_PARAMS = ("self", "x", "y", "batch_size", "epochs", "verbose",
+               "callbacks")
 
 
 @dataclasses.dataclass
@@ -55,28 +62,53 @@ def _running() -> list:
 
 
 def record_fits() -> None:
-    """Makes every later `fit` record itself while it runs (once per process;
-    called as a keras-mgpu callback or runtime is made, before its `fit`)."""
+    """Checks that this Keras has what the recording needs, and makes every
+    later `fit` record itself while it runs (wrapped once per process).
+    Called where keras-mgpu's callbacks and runtime are made."""
+    trainer = trainer_class(_RUNNING_FIT)
+    _require(trainer, "fit", _RUNNING_FIT, params=_FIT_PARAMS)
+    iterator_class = _require(_require_module(_EPOCH_ITERATOR, _RUNNING_FIT),
+                              "EpochIterator", _RUNNING_FIT)
+    make_iterator = iterator_class.__init__
+    make_iterator = getattr(make_iterator, "keras_stock", make_iterator)
+    # What the runtime reads of an epoch iterator, set by its `__init__`.
+    missing = [name for name in ("steps_per_epoch", "_current_iterator",
+                                 "_steps_seen")
+               if name not in make_iterator.__code__.co_names]
+    if missing:
+        raise _internals_error(
+            f"`EpochIterator.__init__` setting {', '.join(missing)}",
+            _RUNNING_FIT)
+    _wrap(trainer, iterator_class)
+
+
+def record_fits_from_import() -> None:
+    """`record_fits()` as keras-mgpu is imported, unchecked and silent.
+
+    `model.fit(x, callbacks=[DistributedLogger(...)])` looks `fit` up
+    before it makes the callback, so the wrapper must be in place before
+    any callback is made. Where this Keras lacks what it needs, nothing is
+    wrapped here: `record_fits()` says so where it is first used.
+    """
+    trainer = next((cls for cls in keras.Model.__mro__
+                    if cls.__module__ == _TF_TRAINER), None)
+    try:
+        iterator_class = _import_module(_EPOCH_ITERATOR).EpochIterator
+    except (ImportError, AttributeError):
+        return
+    if trainer is not None and callable(getattr(trainer, "fit", None)):
+        _wrap(trainer, iterator_class)
+
+
+def _wrap(trainer, iterator_class) -> None:
+    """Wraps `trainer.fit` and `iterator_class.__init__` to record the
+    running fit (once per process)."""
     global _recording
     with _lock:
         if _recording:
             return
-        trainer = trainer_class(_RUNNING_FIT)
-        fit = _require(trainer, "fit", _RUNNING_FIT,
-                       params=("self", "x", "y", "batch_size", "epochs",
-                               "verbose", "callbacks"))
-        iterator_class = _require(_require_module(_EPOCH_ITERATOR,
-                                                  _RUNNING_FIT),
-                                  "EpochIterator", _RUNNING_FIT)
+        fit = trainer.fit
         make_iterator = iterator_class.__init__
-        # What the runtime reads of an epoch iterator, set by its `__init__`.
-        missing = [name for name in ("steps_per_epoch", "_current_iterator",
-                                     "_steps_seen")
-                   if name not in make_iterator.__code__.co_names]
-        if missing:
-            raise _internals_error(
-                f"`EpochIterator.__init__` setting {', '.join(missing)}",
-                _RUNNING_FIT)
 
         @functools.wraps(fit)
         def recorded_fit(self, *args, **kwargs):

@@ -128,8 +128,9 @@ _RUNNING_FIT = _workaround(
     "(whose state the backup saves) nor the epoch iterator feeding the "
     "train function (whose position a resume continues), nor whether it "
     "runs inside `fit` at all",
-    applied="by every keras-mgpu callback: `fit` and `EpochIterator` are "
-    "wrapped, once, to record the running fit (they do nothing else)",
+    applied="from `import keras_mgpu` on: the trainer's `fit` and "
+    "`EpochIterator.__init__` are wrapped, once, to record the running fit "
+    "(they do nothing else); checked where keras-mgpu's callbacks are made",
     remove_when="Keras gives callbacks their `CallbackList` and the epoch "
     "iterator's position (no upstream issue yet)")
 _TELEMETRY = _workaround(

@@ -15,9 +15,7 @@ class RuntimeCallback(keras.callbacks.Callback):
     `epoch_begin`, `train_batch_begin`, ...); the runtime acts once per
     event, so several such callbacks in one list, in any order, count each
     batch once. A subclass that overrides a hook calls `super()` first, then
-    reads the runtime's counters. Making one also has every later `fit`
-    record its callbacks and data (`keras_mgpu.compat.running_fit`), which
-    the runtime reads.
+    reads the runtime's counters.
 
     Example:
 
@@ -37,7 +35,8 @@ class RuntimeCallback(keras.callbacks.Callback):
 
     def __init__(self):
         super().__init__()
-        # Before its `fit`, which then records its callbacks and data.
+        # Refuses a Keras without what the runtime reads of a running `fit`
+        # now, not at the first batch.
         compat.record_fits()
 
     @property

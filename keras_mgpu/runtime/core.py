@@ -29,6 +29,9 @@ from keras_mgpu.runtime.counters import _RuntimeCounters
 # The backend's halves of the runtime: the train-function wrapper and the
 # resume's skipping (keras_mgpu/backend/__init__.py).
 _backend = backend.active()
+# Before any callback is made: `model.fit(x, callbacks=[...])` looks `fit`
+# up before it makes them.
+compat.record_fits_from_import()
 
 
 def training_runtime(model) -> "TrainingRuntime":
@@ -54,8 +57,7 @@ def training_runtime(model) -> "TrainingRuntime":
         # every model alive; as an attribute it is one more collectable cycle.
         runtime = TrainingRuntime(model)
         model._keras_mgpu_runtime = runtime
-        # A `fit` that starts from now on records its callbacks and data.
-        compat.record_fits()
+        compat.record_fits()  # checks this Keras
     return runtime
 
 
