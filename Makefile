@@ -30,11 +30,12 @@ test: $(VENV)/.installed-test-$(ID)
 
 # The fast tier: the unit tests of the pieces that need no training run (the
 # backup's store, lock and state, compat's checks and registry, the command
-# line, strategy and cluster parsing, the import graph, the docstrings).
+# line, strategy and cluster parsing, the import graph, the docstrings, the
+# file layer, the logger's records and sinks).
 CHECK_TESTS := tests/test_backup_store.py tests/test_backup_lock.py \
 	tests/test_callback_state.py tests/test_compat.py tests/test_cli.py \
 	tests/test_strategy.py tests/test_collectives.py tests/test_imports.py \
-	tests/test_docstrings.py
+	tests/test_docstrings.py tests/test_fs.py tests/test_sinks.py
 check: $(VENV)/.installed-test-$(ID)
 	$(PY) -m pytest -n 2 --dist loadfile -k "not end_to_end" $(CHECK_TESTS) $(PYTEST_ARGS)
 

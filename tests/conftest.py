@@ -10,6 +10,7 @@ import os
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import keras  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
@@ -43,6 +44,22 @@ def mirrored(n: int) -> tf.distribute.Strategy:
 @pytest.fixture(params=[2, 4], ids=lambda n: f"{n}cpus")
 def mirrored_strategy(request):
     return mirrored(request.param)
+
+
+@pytest.fixture
+def policy(request):
+    """The global dtype policy `request.param` (indirect parametrization),
+    float32 again afterwards."""
+    keras.mixed_precision.set_global_policy(request.param)
+    yield request.param
+    keras.mixed_precision.set_global_policy("float32")
+
+
+@pytest.fixture
+def reset_policy():
+    """float32 as the global dtype policy after the test."""
+    yield
+    keras.mixed_precision.set_global_policy("float32")
 
 
 @pytest.fixture

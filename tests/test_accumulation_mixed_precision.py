@@ -10,13 +10,6 @@ from tests.test_accumulation import (batches_dataset, max_diff, micro_batches,
                                      train, weights_of)
 
 
-@pytest.fixture
-def policy(request):
-    keras.mixed_precision.set_global_policy(request.param)
-    yield request.param
-    keras.mixed_precision.set_global_policy("float32")
-
-
 def loss_scaled(strategy, data, initial_scale=2.0 ** 15, growth_steps=2000):
     with strategy.scope():
         optimizer = keras.optimizers.LossScaleOptimizer(

@@ -22,7 +22,7 @@ from keras_mgpu.mixed_precision import LossScaleMonitor
 from keras_mgpu.runtime import training_runtime
 from tests import logger_workers, workers
 from tests.conftest import mirrored
-from tests.test_sinks import open_handles, writer_threads
+from tests.test_sinks import TORN, open_handles, torn_log_dir, writer_threads
 
 
 def read_lines(log_dir):
@@ -567,27 +567,18 @@ def test_a_failed_write_names_its_cause(tmp_path):
 
 # --- Durability ---------------------------------------------------------------
 
-# A killed earlier run's file: one whole record, then a torn line.
-_TORN = '{"kind": "window", "step": 0}\n{"kind": "win'
-
-
 @pytest.mark.parametrize("where", ["local", "url"])
 def test_local_or_url_log_dir_appends_after_a_torn_line(tmp_path, monkeypatch,
                                                         where):
     monkeypatch.chdir(tmp_path)
-    log_dir = (f"ram://keras_mgpu_test/{tmp_path.name}/logs" if where == "url"
-               else str(tmp_path / "run"))
-    tf.io.gfile.makedirs(log_dir)
-    with tf.io.gfile.GFile(tf.io.gfile.join(log_dir, "metrics.jsonl"),
-                           "w") as f:
-        f.write(_TORN)
+    log_dir = torn_log_dir(tmp_path, where)
     _, batch_logs, _ = small_fit(mirrored(1), log_dir, epochs=1,
                                  validation=False, update_freq=4,
                                  console=False, profile_steps=(2, 3))
 
     lines = read_lines(log_dir)
     # The torn line is closed off: only it is unreadable.
-    assert lines[:2] == _TORN.splitlines()
+    assert lines[:2] == TORN.splitlines()
     records = [json.loads(line) for line in lines[2:]]
     # 7 batches: windows of 4 and 3, then the epoch record.
     assert [(r["kind"], r["step"]) for r in records] == [

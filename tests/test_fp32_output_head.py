@@ -14,13 +14,6 @@ POLICIES = ["float32", "mixed_float16", "mixed_bfloat16"]
 FEATURES, CLASSES = 4, 3
 
 
-@pytest.fixture
-def policy(request):
-    keras.mixed_precision.set_global_policy(request.param)
-    yield request.param
-    keras.mixed_precision.set_global_policy("float32")
-
-
 def head_model(activation="softmax", units=CLASSES, float32_matmul=False,
                hidden=True, name="head"):
     inputs = keras.Input((FEATURES,))

@@ -21,19 +21,6 @@ from tests import workers
 
 
 @pytest.fixture
-def policy(request):
-    keras.mixed_precision.set_global_policy(request.param)
-    yield request.param
-    keras.mixed_precision.set_global_policy("float32")
-
-
-@pytest.fixture
-def reset_policy():
-    yield
-    keras.mixed_precision.set_global_policy("float32")
-
-
-@pytest.fixture
 def mixed_float16():
     keras.mixed_precision.set_global_policy("mixed_float16")
     yield

@@ -13,19 +13,6 @@ from keras_mgpu.layers import FP32OutputHead
 from keras_mgpu.mixed_precision import LossScaleMonitor, audit
 
 
-@pytest.fixture
-def policy(request):
-    keras.mixed_precision.set_global_policy(request.param)
-    yield request.param
-    keras.mixed_precision.set_global_policy("float32")
-
-
-@pytest.fixture
-def reset_policy():
-    yield
-    keras.mixed_precision.set_global_policy("float32")
-
-
 # --- set_policy ---------------------------------------------------------------
 
 

@@ -23,7 +23,7 @@ from keras_mgpu.callbacks.telemetry.sinks import Sinks
 from keras_mgpu.callbacks.telemetry.tensorboard import tensorboard_scalars
 
 # A killed earlier run's file: one whole record, then a torn line.
-_TORN = '{"kind": "window", "step": 0}\n{"kind": "win'
+TORN = '{"kind": "window", "step": 0}\n{"kind": "win'
 
 
 def make_record(kind="window", step=4, epoch=0, metrics=None, **values):
@@ -145,21 +145,28 @@ def test_a_local_line_is_on_disk_when_submit_returns(log_dir):
     assert read_back(log_dir) == lines
 
 
-@pytest.mark.parametrize("where", ["local", "url"])
-def test_reopening_after_a_torn_last_line_closes_it_off(tmp_path, where):
-    log_dir = (f"ram://keras_mgpu_test/{tmp_path.name}/sinks" if where == "url"
+def torn_log_dir(tmp_path, where: str) -> str:
+    """A local or `ram://` log_dir whose metrics.jsonl a killed run left
+    with a torn last line (`TORN`)."""
+    log_dir = (f"ram://keras_mgpu_test/{tmp_path.name}/logs" if where == "url"
                else str(tmp_path / "run"))
     tf.io.gfile.makedirs(log_dir)
     with tf.io.gfile.GFile(tf.io.gfile.join(log_dir, "metrics.jsonl"),
                            "w") as f:
-        f.write(_TORN)
+        f.write(TORN)
+    return log_dir
+
+
+@pytest.mark.parametrize("where", ["local", "url"])
+def test_reopening_after_a_torn_last_line_closes_it_off(tmp_path, where):
+    log_dir = torn_log_dir(tmp_path, where)
     record = make_record(step=12)
     sinks = Sinks(log_dir, None)
     sinks.submit(record)
     sinks.close()
     lines = read_back(log_dir)
     # Only the torn line is unreadable; the next record has a line of its own.
-    assert lines[:2] == _TORN.splitlines()
+    assert lines[:2] == TORN.splitlines()
     assert [json.loads(line) for line in lines[2:]] == [record]
     with pytest.raises(json.JSONDecodeError):
         json.loads(lines[1])

@@ -40,6 +40,7 @@ from keras_mgpu.compat._core import _copied_variant  # noqa: F401
 from keras_mgpu.compat._core import _import_module  # noqa: F401
 from keras_mgpu.compat._core import _internals_error  # noqa: F401
 from keras_mgpu.compat._core import _lookup  # noqa: F401
+from keras_mgpu.compat._core import _module_if_present  # noqa: F401
 from keras_mgpu.compat._core import _owner_name  # noqa: F401
 from keras_mgpu.compat._core import _require  # noqa: F401
 from keras_mgpu.compat._core import _require_module  # noqa: F401

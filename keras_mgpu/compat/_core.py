@@ -154,6 +154,16 @@ def _import_module(path: str):
     return importlib.import_module(path)
 
 
+def _module_if_present(path: str):
+    """The private module `path`, or None: unchecked and unwarned, for a
+    step whose failure the checked lookup (`_require_module`) reports
+    later, where the feature is first used."""
+    try:
+        return _import_module(path)
+    except ImportError:
+        return None
+
+
 def _require(owner, name: str, used_for: str, params=None):
     """`owner.name`, checked: raises `KerasInternalsError` if it is missing,
     or (with `params`) if its leading parameters are not `params`."""

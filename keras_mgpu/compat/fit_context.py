@@ -21,7 +21,7 @@ from typing import Optional
 import keras
 
 from keras_mgpu.compat._core import (
-    _import_module, _internals_error, _require, _require_module)
+    _internals_error, _module_if_present, _require, _require_module)
 from keras_mgpu.compat.keras_trainer import _TF_TRAINER, trainer_class
 from keras_mgpu.compat.registry import _RUNNING_FIT
 
@@ -92,11 +92,10 @@ def record_fits_from_import() -> None:
     """
     trainer = next((cls for cls in keras.Model.__mro__
                     if cls.__module__ == _TF_TRAINER), None)
-    try:
-        iterator_class = _import_module(_EPOCH_ITERATOR).EpochIterator
-    except (ImportError, AttributeError):
-        return
-    if trainer is not None and callable(getattr(trainer, "fit", None)):
+    iterator_class = getattr(_module_if_present(_EPOCH_ITERATOR),
+                             "EpochIterator", None)
+    if (trainer is not None and iterator_class is not None
+            and callable(getattr(trainer, "fit", None))):
         _wrap(trainer, iterator_class)
 
 
