@@ -144,8 +144,6 @@ def running_fit(model) -> Optional[RunningFit]:
 
 
 def _flat_callbacks(callbacks) -> list:
-    import keras
-
     if callbacks is None:
         return []
     if isinstance(callbacks, keras.callbacks.CallbackList):
