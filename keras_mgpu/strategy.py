@@ -1,6 +1,8 @@
 """Distribution facts: which strategy to use, how many replicas, who is chief.
 
-Everything else in keras-mgpu asks the functions here. The cluster itself
+Everything else in keras-mgpu asks the functions here; they answer through
+the Keras backend's module (`keras_mgpu.backend.distribution()`): under
+`tf.distribute` on TensorFlow, under `keras.distribution` on JAX. The cluster itself
 (`TF_CONFIG`, worker numbering) is read by `keras_mgpu.cluster`; its public
 names are re-exported here.
 """
@@ -12,6 +14,7 @@ from typing import Any, Optional, Sequence
 
 import tensorflow as tf
 
+from keras_mgpu import backend
 from keras_mgpu._checks import is_positive_int
 from keras_mgpu.cluster import _TRAINING_TASK_TYPES
 from keras_mgpu.cluster import ClusterInfo
@@ -331,32 +334,35 @@ def require_strategy(
     return tf.distribute.get_strategy()
 
 
-def num_replicas(strategy: Optional[tf.distribute.Strategy] = None) -> int:
+def num_replicas(strategy: Optional[Any] = None) -> int:
     """Replicas training in sync, over all workers.
 
     Args:
         strategy: Defaults to `None`, the strategy of the current scope;
             outside every scope, `None` raises `ValueError` (TensorFlow
             would report 1 replica whatever strategy the program created).
+            On Keras's JAX backend, a `keras.distribution.Distribution`,
+            and `None` is the one set with
+            `keras.distribution.set_distribution` (1 replica without one):
+            the devices along its batch axis.
 
     Example:
 
     >>> num_replicas(tf.distribute.get_strategy())
     1
     """
-    return int(require_strategy(strategy, "num_replicas()").num_replicas_in_sync)
+    return backend.distribution().num_replicas(strategy, "num_replicas()")
 
 
 def global_batch_size(
-    per_replica: int, strategy: Optional[tf.distribute.Strategy] = None
+    per_replica: int, strategy: Optional[Any] = None
 ) -> int:
     """The batch size to give `fit` so each replica sees `per_replica` samples.
 
     Args:
         per_replica: Samples per replica per step, a positive integer.
-        strategy: Defaults to `None`, the strategy of the current scope;
-            outside every scope, `None` raises `ValueError` (TensorFlow
-            would report 1 replica whatever strategy the program created).
+        strategy: Defaults to `None`, the strategy of the current scope,
+            as for `num_replicas`.
 
     Example:
 
@@ -371,33 +377,32 @@ def global_batch_size(
         raise ValueError(
             f"per_replica must be at least 1, got {per_replica}."
         )
-    return per_replica * int(require_strategy(
-        strategy, f"global_batch_size({per_replica})").num_replicas_in_sync)
+    return per_replica * backend.distribution().num_replicas(
+        strategy, f"global_batch_size({per_replica})")
 
 
 def num_workers() -> int:
-    """Training worker processes in the cluster (1 without `TF_CONFIG`)."""
-    return cluster_info().num_workers
+    """Training worker processes: the `TF_CONFIG` cluster's workers (1
+    without one); on JAX, `jax.process_count()`."""
+    return backend.distribution().num_workers()
 
 
 def worker_index() -> int:
-    """This process's worker rank, chief first (0 without `TF_CONFIG`)."""
-    return cluster_info().worker_index
+    """This process's worker rank, chief first (0 without `TF_CONFIG`); on
+    JAX, `jax.process_index()`."""
+    return backend.distribution().worker_index()
 
 
 def is_chief() -> bool:
-    """Whether this process is the chief: the one that writes shared output."""
-    return cluster_info().is_chief
+    """Whether this process is the chief: the one that writes shared output
+    (on JAX, process 0)."""
+    return backend.distribution().is_chief()
 
 
-def is_multi_worker(strategy: Optional[tf.distribute.Strategy] = None) -> bool:
-    """Whether `strategy` spans several worker processes."""
-    if strategy is None:
-        strategy = tf.distribute.get_strategy()
-    return (
-        isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
-        and num_workers() > 1
-    )
+def is_multi_worker(strategy: Optional[Any] = None) -> bool:
+    """Whether `strategy` (or the one in scope; on JAX, the distribution)
+    spans several worker processes."""
+    return backend.distribution().is_multi_worker(strategy)
 
 
 def local_variable(value, dtype: tf.DType) -> tf.Variable:

@@ -5,21 +5,23 @@ from __future__ import annotations
 import weakref
 
 import keras
-import tensorflow as tf
 
-from keras_mgpu._checks import is_positive_int
+from keras_mgpu import backend
 from keras_mgpu import compat
-from keras_mgpu.accumulation.in_step import (
-    MAX_ACCUM_STEPS, _InStepMixin, _check_no_synchronized_batch_norm)
-from keras_mgpu.accumulation.step import _StepMixin
+from keras_mgpu._checks import is_positive_int
 from keras_mgpu.accumulation.window import (
     PARTIAL_WINDOW_MODES, _WindowEnd, _WindowMixin)
 
 MODES = ("window", "in_step")
 
+# The largest `accum_steps`: in-step mode splits a batch in 32-bit integer
+# arithmetic (TensorFlow's `tf.shape`).
+MAX_ACCUM_STEPS = 2**31 - 1
+
 
 @keras.saving.register_keras_serializable(package="keras_mgpu")
-class GradientAccumulationModel(_WindowMixin, _InStepMixin, _StepMixin,
+class GradientAccumulationModel(_WindowMixin,
+                                backend.active().AccumulationSteps,
                                 keras.Model):
     """Wraps a model so that `fit` takes one optimizer step per N micro-batches.
 
@@ -170,7 +172,7 @@ class GradientAccumulationModel(_WindowMixin, _InStepMixin, _StepMixin,
         mode: str = "window",
         **kwargs,
     ):
-        compat.check_accumulation_support()
+        self._check_backend_support()
         _validate(model, accum_steps, partial_window, mode)
         if not isinstance(log_window, bool):
             raise ValueError(
@@ -184,11 +186,7 @@ class GradientAccumulationModel(_WindowMixin, _InStepMixin, _StepMixin,
         self.mode = mode
         self._window_state = None
         model._keras_mgpu_wrapper = weakref.ref(self)
-        compat.enable_multi_step_fit()
-        if isinstance(
-            tf.distribute.get_strategy(), tf.distribute.MultiWorkerMirroredStrategy
-        ):
-            compat.enable_multi_worker_fit()
+        self._prepare_backend()
         if model.built:
             self._create_state()
             self.built = True
@@ -231,15 +229,7 @@ class GradientAccumulationModel(_WindowMixin, _InStepMixin, _StepMixin,
                 "gradient_accumulation_steps from the optimizer."
             )
         super().compile(optimizer, *args, **kwargs)
-        self._loop_jit_compile = False
-        if self.mode == "in_step" and self.jit_compile:
-            # Keras would compile the whole step, cross-device work included,
-            # which XLA cannot do under a strategy: only the replica-local
-            # micro-batch loop is compiled.
-            self._loop_jit_compile = True
-            self.jit_compile = False
-
-    _loop_jit_compile = False
+        self._compiled()
 
     def compile_from_config(self, config):
         # Keras skips this for models that override `compile`; the override
@@ -274,23 +264,10 @@ class GradientAccumulationModel(_WindowMixin, _InStepMixin, _StepMixin,
 
     # --- Training -----------------------------------------------------------
 
-    def train_step(self, data):
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        self._check_variables()
-        if not self.optimizer.built:
-            # Without a strategy scope Keras builds the optimizer lazily in
-            # `apply`; the window update needs its variables first.
-            self.optimizer.build(self.trainable_variables)
-        if self.mode == "in_step":
-            return self._in_step_train_step(x, y, sample_weight)
-        return self._window_train_step(x, y, sample_weight)
-
-    def _logs(self, x, y, y_pred, sample_weight):
-        logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-        if self.log_window:
-            logs["grad_norm"] = tf.identity(self._grad_norm.value)
-            logs["accum_step"] = tf.identity(self._micro_step.value)
-        return logs
+    def train_step(self, *args):
+        # Keras's signature is the backend's: `(data)` on TensorFlow,
+        # `(state, data)` on JAX.
+        return self._accumulation_train_step(*args)
 
 
 def _validate(model, accum_steps, partial_window, mode) -> None:
@@ -344,3 +321,16 @@ def _check_inner_not_compiled(model) -> None:
             "`wrapper.compile(optimizer=..., loss=...)`, and rebuild the "
             "inner model without compiling it."
         )
+
+
+def _check_no_synchronized_batch_norm(model) -> None:
+    for layer in compat.sublayers(model):
+        if isinstance(layer, keras.layers.BatchNormalization) and getattr(
+                layer, "synchronized", False):
+            raise ValueError(
+                f"Layer {layer.name!r} is BatchNormalization(synchronized="
+                "True), which all-reduces its batch statistics: that cannot "
+                "run inside mode='in_step''s replica-local micro-batch loop. "
+                "Use mode='window' (which supports it), or "
+                "synchronized=False."
+            )

@@ -1,5 +1,7 @@
 """The window state of `GradientAccumulationModel`: its accumulators and
-counters, the window-mode step, and the partial-window policy at epoch end."""
+counters, their saving, and the callback that ends a window cut short by
+the end of an epoch. The steps that fill and apply it are the backend's
+(`keras_mgpu.backend.<name>.AccumulationSteps`)."""
 
 from __future__ import annotations
 
@@ -7,16 +9,15 @@ import math
 import weakref
 
 import keras
-import tensorflow as tf
 
-from keras_mgpu import compat
-from keras_mgpu.accumulation.step import _accumulator_dtype
+from keras_mgpu.backend._accumulation import MIN_LOSS_SCALE  # noqa: F401
+from keras_mgpu.backend._accumulation import accumulator_dtype
 
 PARTIAL_WINDOW_MODES = ("apply", "carry", "drop")
 
 
 class _WindowMixin:
-    """The window's variables, public state, and window-mode step."""
+    """The window's variables and public state."""
 
     def _create_state(self):
         if self._window_state is not None:
@@ -47,38 +48,39 @@ class _WindowMixin:
                 # them each micro-batch), starting below any value.
                 accumulators.append(keras.Variable(
                     keras.initializers.Constant(-math.inf), shape=v.shape,
-                    dtype=_accumulator_dtype(v.dtype), trainable=False,
+                    dtype=accumulator_dtype(v.dtype), trainable=False,
                     name=f"accumulator_{i}",
                 ))
             else:
                 accumulators.append(keras.Variable(
-                    "zeros", shape=v.shape, dtype=_accumulator_dtype(v.dtype),
+                    "zeros", shape=v.shape, dtype=accumulator_dtype(v.dtype),
                     name=f"accumulator_{i}", **local,
                 ))
         # Initializers, not values: an unbuilt model is built inside Keras's
         # stateless scope, where only deferred initialisation is allowed.
         scalar = dict(initializer="zeros", shape=())
-        state = _WindowState()
+        state = self._new_window_state()
         state.accumulators = accumulators
         state.samples = keras.Variable(
             **scalar, dtype="float32", name="accumulated_samples", **local
         )
         state.micro_step = keras.Variable(
-            **scalar, dtype="int64", trainable=False, name="micro_step"
+            **scalar, dtype=self._COUNTER_DTYPE, trainable=False, name="micro_step"
         )
         state.grad_norm = keras.Variable(
             **scalar, dtype="float32", trainable=False, name="grad_norm"
         )
         state.update_count = keras.Variable(
-            **scalar, dtype="int64", trainable=False, name="update_count"
+            **scalar, dtype=self._COUNTER_DTYPE, trainable=False, name="update_count"
         )
         state.updated = keras.Variable(
-            **scalar, dtype="int64", trainable=False, name="has_updated"
+            **scalar, dtype=self._COUNTER_DTYPE, trainable=False, name="has_updated"
         )
-        # Held outside Keras's variable tracking (in a tf.Module, which
-        # TensorFlow checkpoints still follow), so that they are not
-        # weights; `save_own_variables` saves them.
+        # `save_own_variables` saves them; the backend decides whether
+        # Keras tracks them (TensorFlow keeps them out of the weights, JAX
+        # needs them in the train step's state).
         self._window_state = state
+        self._track_window(state)
 
     def _state(self, name):
         state = self.__dict__.get("_window_state")
@@ -156,23 +158,6 @@ class _WindowMixin:
             "samples": self._sample_count,
         }
 
-    def _window_train_step(self, x, y, sample_weight):
-        """Replica-local: one micro-batch, added to the window."""
-        grads, loss, y_pred, weight = self._micro_batch(x, y, sample_weight)
-        compat.track_loss(self, loss, tf.cast(weight, tf.int32))
-        context = tf.distribute.get_replica_context()
-        overwrite = self._overwrite_indices
-        if self.accum_steps == 1:
-            # Every micro-batch is a whole window: skip the accumulators.
-            context.merge_call(self._apply_window, args=(grads + [weight],))
-        else:
-            for i in self._regular_indices:
-                self._accumulators[i].assign_add(grads[i])
-            self._sample_count.assign_add(weight)
-            context.merge_call(
-                self._end_micro_step, args=([grads[i] for i in overwrite],))
-        return self._logs(x, y, y_pred, sample_weight)
-
     def _check_variables(self):
         if tuple(id(v) for v in self.trainable_variables) != (
                 self._accumulated_ids):
@@ -182,54 +167,6 @@ class _WindowMixin:
                 "layer's `trainable` flag was flipped). Set `trainable` "
                 "before wrapping the model, then wrap and compile again."
             )
-
-    def _end_micro_step(self, strategy, overwrite_grads=()):
-        """Cross-replica: count the micro-batch; on the window's last, apply."""
-        maxima = self._replica_max(strategy, list(overwrite_grads))
-        for i, value in zip(self._overwrite_indices, maxima):
-            accumulator = self._accumulators[i]
-            accumulator.assign(tf.maximum(accumulator.value, value))
-        self._micro_step.assign_add(1)
-        closes = self._micro_step.value >= self.accum_steps
-        self._updated.assign(tf.cast(closes, "int64"))
-        tf.cond(
-            closes,
-            lambda: self._apply_window(strategy),
-            lambda: None,
-        )
-
-    def _reset_window(self):
-        for i, accumulator in enumerate(self._accumulators):
-            if i in self._overwrite_indices:
-                accumulator.assign(tf.fill(
-                    accumulator.shape,
-                    tf.constant(-math.inf, accumulator.dtype)))
-            else:
-                accumulator.assign(tf.zeros_like(accumulator.value))
-        self._sample_count.assign(0.0)
-        self._micro_step.assign(0)
-
-    def _finish_epoch(self):
-        """Handles a window cut short by the end of an epoch."""
-        if self.partial_window == "carry" or self.micro_step == 0:
-            return
-        if self._epoch_end_function is None:
-            strategy = self.distribute_strategy
-
-            @tf.function
-            def epoch_end():
-                if self.partial_window == "apply":
-                    self._apply_window(strategy)
-                else:
-                    self._reset_window()
-                    self._updated.assign(0)
-
-            self._epoch_end_function = epoch_end
-        with self.distribute_strategy.scope():
-            self._epoch_end_function()
-
-    _epoch_end_function = None
-
 
 class _WindowEnd(keras.callbacks.Callback):
     """Applies, carries or drops the partial window before anything else."""
@@ -247,5 +184,3 @@ class _WindowEnd(keras.callbacks.Callback):
         self._wrapper()._finish_epoch()
 
 
-class _WindowState(tf.Module):
-    """Holds the window's variables away from Keras's weight tracking."""

@@ -32,7 +32,10 @@ from typing import Optional
 
 import keras
 
-_BACKENDS = {"tensorflow": "keras_mgpu.backend.tensorflow"}
+_BACKENDS = {
+    "tensorflow": "keras_mgpu.backend.tensorflow",
+    "jax": "keras_mgpu.backend.jax",
+}
 
 
 def active(name: Optional[str] = None) -> ModuleType:
@@ -45,12 +48,29 @@ def active(name: Optional[str] = None) -> ModuleType:
     Raises:
         ImportError: keras-mgpu has no module for that backend.
     """
+    return importlib.import_module(_package(name))
+
+
+def distribution(name: Optional[str] = None) -> ModuleType:
+    """The distribution facts of the Keras backend `name` (default: the
+    active one): `num_replicas(strategy, call)`, `num_workers()`,
+    `worker_index()`, `is_chief()`, `is_multi_worker(strategy)`.
+
+    `keras_mgpu.strategy`'s public facts answer through it.
+
+    Args:
+        name: A Keras backend's name. Defaults to None: the active one.
+    """
+    return importlib.import_module(_package(name) + ".distribution")
+
+
+def _package(name: Optional[str]) -> str:
     name = keras.backend.backend() if name is None else name
     module = _BACKENDS.get(name)
     if module is None:
         raise ImportError(
-            f"keras-mgpu needs Keras's TensorFlow backend, but the active "
-            f"backend is {name!r} (KERAS_BACKEND="
-            f"{os.environ.get('KERAS_BACKEND')!r}). Set "
-            "KERAS_BACKEND=tensorflow before importing keras or keras_mgpu.")
-    return importlib.import_module(module)
+            f"keras-mgpu runs on Keras's TensorFlow and JAX backends, but "
+            f"the active backend is {name!r} (KERAS_BACKEND="
+            f"{os.environ.get('KERAS_BACKEND')!r}). Set KERAS_BACKEND to "
+            "tensorflow or jax before importing keras or keras_mgpu.")
+    return module

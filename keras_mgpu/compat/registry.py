@@ -95,6 +95,15 @@ _ACCUMULATION = _workaround(
     applied="by `GradientAccumulationModel`",
     remove_when="Keras accumulates exactly under a strategy with one "
     "all-reduce per optimizer step (keras-team/keras#20582)")
+_JAX_ACCUMULATION = _workaround(
+    "GradientAccumulationModel's JAX train step",
+    upstream=f"{_KERAS}/blob/v3.15.1/keras/src/backend/jax/trainer.py",
+    works_around="a JAX train step that replaces Keras's updates the loss "
+    "tracker and compiled metrics through the trainer's private "
+    "`_update_metrics_variables`, as Keras's own JAX step does",
+    applied="by `GradientAccumulationModel` on Keras's JAX backend",
+    remove_when="Keras exposes a stateless metrics update on its JAX "
+    "trainer")
 _MIXED = _workaround(
     "the mixed-precision audit",
     upstream=f"{_KERAS}/blob/v3.15.1/keras/src/layers/layer.py",

@@ -9,9 +9,8 @@ import keras
 import tensorflow as tf
 
 from keras_mgpu import compat
-
-# The loss scale never drops below this under GradientAccumulationModel.
-MIN_LOSS_SCALE = 1.0
+from keras_mgpu.backend._accumulation import MIN_LOSS_SCALE
+from keras_mgpu.backend._accumulation import accumulator_dtype
 
 
 class _StepMixin:
@@ -53,7 +52,7 @@ class _StepMixin:
         grads = []
         raw = tape.gradient(objective, variables)
         for i, (g, v) in enumerate(zip(raw, variables)):
-            dtype = _accumulator_dtype(v.dtype)
+            dtype = accumulator_dtype(v.dtype)
             if i in overwrite:
                 # No new value: keep the current one.
                 g = v.value if g is None else g
@@ -173,8 +172,3 @@ class _StepMixin:
         # (the gradient overflows unscaled), so it stops at 1.
         optimizer.dynamic_scale.assign(
             tf.maximum(optimizer.dynamic_scale, MIN_LOSS_SCALE))
-
-
-def _accumulator_dtype(dtype) -> str:
-    dtype = keras.backend.standardize_dtype(dtype)
-    return "float32" if dtype in ("float16", "bfloat16") else dtype

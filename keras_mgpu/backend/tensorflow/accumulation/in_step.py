@@ -1,17 +1,11 @@
-"""The in-step mode of `GradientAccumulationModel`: the whole window
-inside one train step, as a loop over micro-batches."""
+"""The in-step mode of `GradientAccumulationModel` under `tf.distribute`:
+the whole window inside one train step, as a loop over micro-batches."""
 
 from __future__ import annotations
 
-import keras
 import tensorflow as tf
 
 from keras_mgpu import compat
-
-# The largest `accum_steps`: in-step mode splits a batch in TensorFlow's
-# int32 arithmetic (`tf.shape`).
-MAX_ACCUM_STEPS = 2**31 - 1
-
 
 class _InStepMixin:
     """Splits the step's batch into micro-batches and applies them at once."""
@@ -99,16 +93,3 @@ def _rows(tensor, start, count):
     rank = tensor.shape.rank
     return tf.slice(tensor, [start] + [0] * (rank - 1),
                     [count] + [-1] * (rank - 1))
-
-
-def _check_no_synchronized_batch_norm(model) -> None:
-    for layer in compat.sublayers(model):
-        if isinstance(layer, keras.layers.BatchNormalization) and getattr(
-                layer, "synchronized", False):
-            raise ValueError(
-                f"Layer {layer.name!r} is BatchNormalization(synchronized="
-                "True), which all-reduces its batch statistics: that cannot "
-                "run inside mode='in_step''s replica-local micro-batch loop. "
-                "Use mode='window' (which supports it), or "
-                "synchronized=False."
-            )
