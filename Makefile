@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 ID := $(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 LOGDIR ?= runs/demo/logs
 
-.PHONY: demo test check matrix tensorboard wheel venv clean
+.PHONY: demo test test-jax check matrix tensorboard wheel venv clean
 
 $(PY):
 	@$(PYTHON) -c 'import sys; sys.exit("keras-mgpu needs Python 3.10+, found " + sys.version.split()[0]) if sys.version_info < (3, 10) else None'
@@ -25,8 +25,18 @@ venv: $(VENV)/.installed-test-$(ID)
 demo: $(VENV)/.installed-demo-$(ID)
 	$(PY) examples/demo.py $(DEMO_ARGS)
 
+# The whole suite on Keras's TensorFlow backend, then the tests that run
+# on either backend (tests/backends/) and JAX's own (tests/jax/) on the JAX
+# backend, over 2 forced host devices.
+JAX_ENV := KERAS_BACKEND=jax XLA_FLAGS=--xla_force_host_platform_device_count=2
+JAX_TESTS := tests/backends tests/jax
 test: $(VENV)/.installed-test-$(ID)
 	$(PY) -m pytest -n 2 --dist loadfile $(PYTEST_ARGS)
+	$(JAX_ENV) $(PY) -m pytest -n 2 --dist loadfile $(JAX_TESTS)
+
+# The JAX backend's run alone.
+test-jax: $(VENV)/.installed-test-$(ID)
+	$(JAX_ENV) $(PY) -m pytest -n 2 --dist loadfile $(JAX_TESTS) $(PYTEST_ARGS)
 
 # The fast tier: the unit tests of the pieces that need no training run (the
 # backup's store, lock and state, compat's checks and registry, the command

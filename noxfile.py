@@ -4,6 +4,7 @@ newest TensorFlow/Keras pair keras-mgpu supports.
     .venv/bin/nox -s oldest      # TensorFlow 2.19.1 + Keras 3.10.0
     .venv/bin/nox -s newest      # TensorFlow 2.21.0 + Keras 3.15.1
     .venv/bin/nox -s nightly     # the newest TensorFlow + keras-nightly
+    .venv/bin/nox -s jax         # the JAX backend, with the `jax` extra
     make matrix                  # oldest and newest
 
 Each session builds its own virtual environment under `.nox/`. A new pair
@@ -139,3 +140,19 @@ def nightly(session: nox.Session) -> None:
     # Every private name taken away in turn, on the names the nightly has
     # (the full suite does so on the newest release).
     _run_critical(session, "tests/test_compat_mutations.py")
+
+
+# The tests that run on either Keras backend, and the JAX backend's own.
+JAX_TESTS = ["tests/backends", "tests/jax"]
+
+
+@nox.session
+def jax(session: nox.Session) -> None:
+    """The JAX backend's tests (KERAS_BACKEND=jax, 2 forced host devices)
+    in a fresh environment with the `jax` extra: what a JAX user installs."""
+    session.install("-e", ".[jax,tuner]", "pytest>=7", "pytest-xdist>=3")
+    session.run("python", "-m", "pip", "check")
+    session.run("python", "-m", "pytest", "-n", "2", "--dist", "loadfile",
+                *(session.posargs or JAX_TESTS),
+                env={"KERAS_BACKEND": "jax", "TF_CPP_MIN_LOG_LEVEL": "2",
+                     "XLA_FLAGS": "--xla_force_host_platform_device_count=2"})

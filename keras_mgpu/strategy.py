@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 from typing import Any, Optional, Sequence
 
+import keras
 import tensorflow as tf
 
 from keras_mgpu import backend
@@ -403,6 +404,33 @@ def is_multi_worker(strategy: Optional[Any] = None) -> bool:
     """Whether `strategy` (or the one in scope; on JAX, the distribution)
     spans several worker processes."""
     return backend.distribution().is_multi_worker(strategy)
+
+
+def of_model(model: keras.Model) -> Any:
+    """The strategy `model` trains under: its `distribute_strategy` on
+    TensorFlow, the distribution set with `keras.distribution` (None on one
+    device) on JAX. Give it to `num_replicas` and `global_batch_size`."""
+    return backend.distribution().of_model(model)
+
+
+def scope_of(model: keras.Model):
+    """The scope to create or assign `model`'s variables in (the
+    strategy's scope; on JAX the distribution's, or none)."""
+    return backend.distribution().scope_of(model)
+
+
+def current() -> Any:
+    """The distribution in effect: the current scope's strategy on
+    TensorFlow, the one set with `keras.distribution` (or None) on JAX."""
+    return backend.distribution().current()
+
+
+def restore(distribution: Any) -> None:
+    """Makes `distribution` (a `current()` value) current again where
+    `keras.backend.clear_session()` dropped it: on JAX, KerasTuner's
+    clearing before each trial drops the `keras.distribution` setting;
+    `tf.distribute` scopes are left alone."""
+    backend.distribution().restore(distribution)
 
 
 def local_variable(value, dtype: tf.DType) -> tf.Variable:

@@ -3,6 +3,11 @@
 The pytest process splits its CPU into `MAX_LOGICAL_CPUS` logical devices
 before anything else touches TensorFlow, so mirrored strategies over 2 and 4
 replicas are real `MirroredStrategy` objects.
+
+`tests/backends/` runs on either Keras backend (`make test` runs it on
+both; `two_replicas` is a 2-device scope on the active one); `tests/jax/`
+is collected only with `KERAS_BACKEND=jax` (with 2 forced host devices:
+`XLA_FLAGS=--xla_force_host_platform_device_count=2`).
 """
 
 import os
@@ -20,6 +25,9 @@ from keras_mgpu import strategy as strategy_lib  # noqa: E402
 MAX_LOGICAL_CPUS = 4
 LOGICAL_CPUS = strategy_lib.configure_virtual_cpus(MAX_LOGICAL_CPUS)
 
+
+# The JAX backend's own tests need JAX's devices, not TensorFlow's.
+collect_ignore = [] if keras.backend.backend() == "jax" else ["jax"]
 
 _STRATEGIES = {}
 
@@ -44,6 +52,19 @@ def mirrored(n: int) -> tf.distribute.Strategy:
 @pytest.fixture(params=[2, 4], ids=lambda n: f"{n}cpus")
 def mirrored_strategy(request):
     return mirrored(request.param)
+
+
+@pytest.fixture
+def two_replicas():
+    """A function returning a fresh 2-replica scope on the active backend:
+    a MirroredStrategy over 2 logical CPUs on TensorFlow, a `DataParallel`
+    distribution over 2 host devices on JAX."""
+    if keras.backend.backend() == "jax":
+        import jax
+
+        return lambda: keras.distribution.DataParallel(
+            devices=jax.devices()[:2]).scope()
+    return lambda: mirrored(2).scope()
 
 
 @pytest.fixture

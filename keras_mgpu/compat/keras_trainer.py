@@ -24,22 +24,23 @@ from keras_mgpu.compat.saving import _saving_lib
 _TF_TRAINER = "keras.src.backend.tensorflow.trainer"
 
 
-def trainer_class(used_for: str = _MULTI_STEP_FIX) -> type:
-    """Keras's TensorFlow trainer: the class of `_TF_TRAINER` that
-    `keras.Model` derives from (`TensorFlowTrainer` up to Keras 3.15,
-    `Trainer` since keras-team/keras#23397).
+def trainer_class(used_for: str = _MULTI_STEP_FIX,
+                  module_name: str = _TF_TRAINER) -> type:
+    """Keras's trainer: the class of `module_name` (default: the TensorFlow
+    trainer's module) that `keras.Model` derives from (`TensorFlowTrainer`
+    up to Keras 3.15, `Trainer` since keras-team/keras#23397).
 
     Example:
 
     >>> issubclass(keras.Model, trainer_class())
     True
     """
-    module = _require_module(_TF_TRAINER, used_for)
+    module = _require_module(module_name, used_for)
     for cls in keras.Model.__mro__:
         if cls.__module__ == module.__name__:
             return cls
     raise _internals_error(
-        f"a trainer class of `{_TF_TRAINER}` among `keras.Model`'s bases",
+        f"a trainer class of `{module_name}` among `keras.Model`'s bases",
         used_for)
 
 

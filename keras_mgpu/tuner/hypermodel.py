@@ -216,6 +216,9 @@ class StrategyAwareHyperModel(keras_tuner.HyperModel):
         self.backup = backup
         self._executions = {}
         self._warned_rate = False
+        # KerasTuner clears Keras's session before each trial, which drops a
+        # `keras.distribution` setting: each trial sets it again.
+        self._distribution = strategy_lib.current()
         # Every process of a search builds its hypermodel, the chief too.
         compat.enable_tuner_state_fix()
         if backup is not False:
@@ -276,6 +279,7 @@ class StrategyAwareHyperModel(keras_tuner.HyperModel):
         model rebuilt for a finished trial, as `get_best_models()` does, is
         compiled with the rate the trial trained with on this strategy.
         """
+        strategy_lib.restore(self._distribution)
         per_replica = self._per_replica_batch(hp)  # First: a stable space.
         accum_steps = self._accum_steps(hp)
         policy = self._precision(hp)
@@ -338,7 +342,7 @@ class StrategyAwareHyperModel(keras_tuner.HyperModel):
         )
 
     def _lr_scale(self, model, per_replica: Optional[int]) -> Optional[float]:
-        replicas = strategy_lib.num_replicas(model.distribute_strategy)
+        replicas = strategy_lib.num_replicas(strategy_lib.of_model(model))
         accum = _accum_steps_of(model)
         if self.reference_batch_size is None:
             # The reference is the per-replica batch itself.
@@ -354,11 +358,10 @@ class StrategyAwareHyperModel(keras_tuner.HyperModel):
     def _effective(self, model, per_replica: int) -> dict:
         accum = _accum_steps_of(model)
         global_batch = strategy_lib.global_batch_size(
-            per_replica, model.distribute_strategy
-        )
+            per_replica, strategy_lib.of_model(model))
         return {
             "effective/replicas": strategy_lib.num_replicas(
-                model.distribute_strategy),
+                strategy_lib.of_model(model)),
             "effective/per_replica_batch_size": per_replica,
             "effective/global_batch_size": global_batch,
             "effective/accum_steps": accum,
@@ -387,6 +390,7 @@ class StrategyAwareHyperModel(keras_tuner.HyperModel):
             `model.fit`), with the `EFFECTIVE_KEYS` added to a `History` or a
             dict of metrics (a float is returned as it is).
         """
+        strategy_lib.restore(self._distribution)
         args = list(args)
         x = args[0] if args else kwargs.get("x")
         user_batch = kwargs.pop("batch_size", None)
@@ -403,7 +407,7 @@ class StrategyAwareHyperModel(keras_tuner.HyperModel):
                 "StrategyAwareHyperModel or declared by build_fn). Pass one "
                 "of them: batch_size to search() is per replica."
             )
-        replicas = strategy_lib.num_replicas(model.distribute_strategy)
+        replicas = strategy_lib.num_replicas(strategy_lib.of_model(model))
         per_replica = declared if declared is not None else user_batch
         if isinstance(x, tf.data.Dataset) and (
             per_replica is None or not self.rebatch
@@ -463,7 +467,7 @@ class StrategyAwareHyperModel(keras_tuner.HyperModel):
 
     def _apply_learning_rate(self, hp, model, scale: float) -> Optional[float]:
         # The optimizer's variables are the strategy's (mirrored) variables.
-        with model.distribute_strategy.scope():
+        with strategy_lib.scope_of(model):
             if self.lr_scaling is not None:
                 _set_learning_rate(model, hp.get(self.learning_rate_hp), scale)
             return _current_learning_rate(model)

@@ -48,7 +48,7 @@ class AccumulationSteps:
 
     @staticmethod
     def _check_backend_support():
-        pass
+        compat.check_jax_accumulation_support()
 
     def _prepare_backend(self):
         pass

@@ -8,13 +8,13 @@ multi-process job, call `keras.distribution.initialize()` first.
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
 
 import jax
 import keras
 
 
-def current(distribution=None, call: str = "this call"):
+def _checked(distribution, call: str):
     """`distribution`, or the one set with `keras.distribution`, or None.
 
     A `tf.distribute.Strategy` (or anything else) is a `TypeError`: under
@@ -22,10 +22,11 @@ def current(distribution=None, call: str = "this call"):
     """
     if distribution is None:
         return keras.distribution.distribution()
-    if not isinstance(distribution, keras.distribution.Distribution):
+    if not isinstance(distribution, (keras.distribution.DataParallel,
+                                     keras.distribution.ModelParallel)):
         raise TypeError(
-            f"{call}: on Keras's JAX backend, pass a keras.distribution."
-            f"Distribution (e.g. keras.distribution.DataParallel()) or None "
+            f"{call}: on Keras's JAX backend, pass a keras.distribution "
+            f"distribution (DataParallel or ModelParallel) or None "
             f"for the one set with keras.distribution.set_distribution(), "
             f"got {distribution!r}.")
     return distribution
@@ -34,7 +35,7 @@ def current(distribution=None, call: str = "this call"):
 def num_replicas(distribution, call: str) -> int:
     """Devices along the batch axis of `distribution` (or the one set);
     1 without a distribution, where Keras trains on one device."""
-    distribution = current(distribution, call)
+    distribution = _checked(distribution, call)
     if distribution is None:
         return 1
     mesh = distribution.device_mesh
@@ -54,5 +55,30 @@ def is_chief() -> bool:
 
 
 def is_multi_worker(distribution) -> bool:
-    current(distribution, "is_multi_worker()")
+    _checked(distribution, "is_multi_worker()")
     return jax.process_count() > 1
+
+
+def of_model(model):
+    """The distribution in effect (Keras keeps none per model): the one
+    set with `keras.distribution`, or None on one device."""
+    return keras.distribution.distribution()
+
+
+def scope_of(model):
+    """The distribution's scope, or no scope on one device."""
+    distribution = keras.distribution.distribution()
+    return contextlib.nullcontext() if distribution is None else (
+        distribution.scope())
+
+
+def current():
+    """The distribution set with `keras.distribution`, or None."""
+    return keras.distribution.distribution()
+
+
+def restore(distribution) -> None:
+    """Sets `distribution` again where `keras.backend.clear_session()`
+    (which KerasTuner calls before each trial) dropped it."""
+    if distribution is not None and keras.distribution.distribution() is None:
+        keras.distribution.set_distribution(distribution)

@@ -41,3 +41,23 @@ def is_multi_worker(strategy: Optional[tf.distribute.Strategy]) -> bool:
         isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
         and num_workers() > 1
     )
+
+
+def of_model(model) -> tf.distribute.Strategy:
+    """The strategy `model` was built under."""
+    return model.distribute_strategy
+
+
+def scope_of(model):
+    """The scope to create or assign `model`'s variables in."""
+    return model.distribute_strategy.scope()
+
+
+def current():
+    """The strategy of the current scope."""
+    return tf.distribute.get_strategy()
+
+
+def restore(distribution) -> None:
+    """Nothing to restore: `keras.backend.clear_session()` leaves
+    `tf.distribute` scopes alone."""
