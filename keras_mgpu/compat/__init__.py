@@ -77,6 +77,7 @@ from keras_mgpu.compat.keras_tuner import set_save_best_epoch_state  # noqa: F40
 from keras_mgpu.compat.keras_tuner import tuner_and_trial  # noqa: F401
 from keras_mgpu.compat.mixed_precision import KERAS_LOGITS_ATTR  # noqa: F401
 from keras_mgpu.compat.mixed_precision import attach_logits  # noqa: F401
+from keras_mgpu.compat.mixed_precision import attached_logits_dropped  # noqa: F401
 from keras_mgpu.compat.mixed_precision import logits_recovered  # noqa: F401
 from keras_mgpu.compat.mixed_precision import own_variables  # noqa: F401
 from keras_mgpu.compat.mixed_precision import producing_layer  # noqa: F401

@@ -53,6 +53,15 @@ def logits_recovered() -> bool:
         return float(probe()[0]) < 1e-3  # ln(2) if the logits were ignored
 
 
+def attached_logits_dropped() -> bool:
+    """Whether this Keras's losses stopped reading the logits attached to
+    probabilities, where they did: on the TensorFlow backend,
+    `not logits_recovered()`; on JAX, whose arrays take no attributes and
+    whose losses read none (a float32 head's probabilities are what any
+    float32 model's loss gets there), False."""
+    return keras.backend.backend() == "tensorflow" and not logits_recovered()
+
+
 def sublayers(layer) -> list:
     """Every layer nested in `layer` (itself excluded), depth first."""
     flatten = _require(layer, "_flatten_layers", _MIXED)

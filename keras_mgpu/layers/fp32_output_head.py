@@ -54,7 +54,9 @@ class FP32OutputHead(keras.layers.Layer):
     before the activation and attaches them to its output: Keras's
     cross-entropy losses (categorical, sparse categorical, binary, with the
     default `from_logits=False`) then compute the loss from the float32
-    logits, while `predict` still returns probabilities.
+    logits, while `predict` still returns probabilities. (On Keras's JAX
+    backend the losses read no attached logits: the loss gets the head's
+    float32 probabilities, as for any float32 model there.)
 
     It also counts the non-finite values (inf, NaN) of its input and its
     output in every forward pass (`fit`, `evaluate`, `predict`), summed over
@@ -190,7 +192,7 @@ class FP32OutputHead(keras.layers.Layer):
 
     def build(self, input_shape):
         if (self.activation_name in _LOGIT_ACTIVATIONS
-                and not compat.logits_recovered()):
+                and compat.attached_logits_dropped()):
             warnings.warn(
                 f"Keras {keras.__version__}'s cross-entropy losses no longer "
                 f"read the logits attached to a {self.activation_name} "
