@@ -78,8 +78,8 @@ class AccumulationSteps:
         self._check_variables()
         trainable, non_trainable, optimizer_values, metrics = state
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        window = _WindowValues(self, non_trainable)
         if self.mode == "in_step":
+            window = _WindowValues(self, non_trainable)
             grads, count, loss, y_pred, non_trainable = self._in_step_sums(
                 trainable, non_trainable, optimizer_values, metrics,
                 (x, y, sample_weight))
@@ -91,12 +91,12 @@ class AccumulationSteps:
                 x, y, sample_weight)
             window = _WindowValues(self, non_trainable)
             window.add(grads, count)
-            trainable, optimizer_values, closed = jax.lax.cond(
+            # Only the branch taken runs: no update work off the window's end.
+            trainable, optimizer_values, window = jax.lax.cond(
                 window.get("micro_step") >= self.accum_steps,
-                lambda t, o, w: self._apply_accumulated(t, o, w),
+                self._apply_accumulated,
                 lambda t, o, w: (t, o, w.closed(False)),
                 trainable, optimizer_values, window)
-            window = closed
         non_trainable = window.into(non_trainable)
         logs, metrics = compat.update_metrics(
             self, metrics, loss, x, y, y_pred, sample_weight)
