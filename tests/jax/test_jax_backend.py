@@ -2,8 +2,12 @@
 distribution facts, the in-step program's one all-reduce, the tuner's
 scaling, and what is not built yet saying so."""
 
+import json
 import math
+import pathlib
 import re
+import subprocess
+import sys
 
 import jax
 import keras
@@ -179,3 +183,21 @@ def test_a_jax_trainer_without_what_the_step_needs_is_refused(monkeypatch):
             _refused(name, None, patch)
         with monkeypatch.context() as patch:
             _refused(name, lambda self, state, data: None, patch)
+
+
+def test_the_accumulation_benchmark_runs(tmp_path):
+    # benchmarks/jax_accumulation_vs_keras.py --quick, so that it cannot
+    # rot: both modes match the big batch in its run too.
+    root = pathlib.Path(__file__).parents[2]
+    report = tmp_path / "report.json"
+    proc = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "jax_accumulation_vs_keras.py"),
+         "--quick", "--json", str(report)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    cases = json.loads(report.read_text())["cases"]
+    ours = [c for c in cases if c["method"].startswith("keras-mgpu")]
+    assert len(ours) == 2
+    for case in ours:
+        assert case["diff"] < 1e-6 and case["moved"] > 1e-3, case
+        assert case["iterations"] == case["schedule_steps"] == 4, case
