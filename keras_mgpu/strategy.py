@@ -2,9 +2,9 @@
 
 Everything else in keras-mgpu asks the functions here; they answer through
 the Keras backend's module (`keras_mgpu.backend.distribution()`): under
-`tf.distribute` on TensorFlow, under `keras.distribution` on JAX. The cluster itself
-(`TF_CONFIG`, worker numbering) is read by `keras_mgpu.cluster`; its public
-names are re-exported here.
+`tf.distribute` on TensorFlow, under `keras.distribution` on JAX. The
+cluster itself (`TF_CONFIG`, worker numbering) is read by
+`keras_mgpu.cluster`; its public names are re-exported here.
 """
 
 from __future__ import annotations
@@ -342,10 +342,10 @@ def num_replicas(strategy: Optional[Any] = None) -> int:
         strategy: Defaults to `None`, the strategy of the current scope;
             outside every scope, `None` raises `ValueError` (TensorFlow
             would report 1 replica whatever strategy the program created).
-            On Keras's JAX backend, a `keras.distribution.Distribution`,
-            and `None` is the one set with
-            `keras.distribution.set_distribution` (1 replica without one):
-            the devices along its batch axis.
+            On Keras's JAX backend, a `keras.distribution` distribution
+            (`DataParallel` or `ModelParallel`), and `None` is the one set
+            with `keras.distribution.set_distribution` (1 replica without
+            one): the devices along its batch axis.
 
     Example:
 

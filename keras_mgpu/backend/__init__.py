@@ -5,6 +5,9 @@ depends on how a backend trains or communicates sits in that module, and
 the rest of keras-mgpu reaches it only through these names:
 
 - `NAME`: the Keras backend it serves (`keras.backend.backend()`);
+- `distribution`, a submodule (`backend.distribution()` imports it): the
+  distribution facts `keras_mgpu.strategy` answers through;
+- `AccumulationSteps`: `GradientAccumulationModel`'s train step;
 - `gather_rows(strategy, row, num_workers)` and
   `sum_over_workers(strategy, value, num_workers)`: host values from every
   worker, for the logger's cross-worker figures and the backup's agreement;
@@ -14,8 +17,9 @@ the rest of keras-mgpu reaches it only through these names:
   already trained on. They are mixins of the runtime and keep their state
   on it (`keras_mgpu/runtime/core.py` lists it).
 
-A second backend is a package next to `tensorflow/` providing the same
-names, and its entry in `_BACKENDS`.
+`tensorflow/` serves `tf.distribute`, `jax/` `keras.distribution`; another
+backend is a package next to them providing the same names, and its entry
+in `_BACKENDS`.
 
 Example:
 
@@ -54,7 +58,8 @@ def active(name: Optional[str] = None) -> ModuleType:
 def distribution(name: Optional[str] = None) -> ModuleType:
     """The distribution facts of the Keras backend `name` (default: the
     active one): `num_replicas(strategy, call)`, `num_workers()`,
-    `worker_index()`, `is_chief()`, `is_multi_worker(strategy)`.
+    `worker_index()`, `is_chief()`, `is_multi_worker(strategy)`,
+    `of_model(model)`, `scope_of(model)`, `current()` and `restore(d)`.
 
     `keras_mgpu.strategy`'s public facts answer through it.
 
