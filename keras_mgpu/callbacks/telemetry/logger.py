@@ -138,9 +138,18 @@ class DistributedLogger(RuntimeCallback):
     ops that add its duration to a variable (read with the metrics). The
     training math is unchanged. Without Keras's compiled train function
     (`run_eagerly=True`, or batches another callback stands in for) a
-    record's `input_wait` is `null`; so in a hand-written loop. A multi-worker record gives the mean
+    record's `input_wait` is `null`; so in a hand-written loop. On Keras's
+    JAX backend `fit` fetches each batch on the host (and puts it on the
+    devices) before it dispatches the step, so each fetch is timed with a
+    host clock instead, `run_eagerly=True` included; JAX dispatches
+    asynchronously, so the devices may still be busy with the previous
+    step meanwhile. A multi-worker record gives the mean
     over workers, flagged (`input_bound`) from that mean; each worker's is
     in `worker_input_wait`.
+
+    On JAX, Keras keeps the train state out of the model's variables
+    during an epoch; the logger puts it back (`model.jax_state_sync()`)
+    only to read a record, not at every batch.
 
     Args:
         log_dir: Directory for all output (created on the chief only): a
@@ -254,7 +263,7 @@ class DistributedLogger(RuntimeCallback):
         # in the logs of each batch end.
         self._hand_loop.begin(self.model)
         runtime.time_input()
-        strategy = self.model.distribute_strategy
+        strategy = strategy_lib.of_model(self.model)
         multi = strategy_lib.is_multi_worker(strategy)
         # Read at the first trained batch (after any resume). The reader is
         # traced at the first record (the metrics exist by then), and kept
@@ -310,7 +319,7 @@ class DistributedLogger(RuntimeCallback):
         last = progress.last_begin
         if last is not None and now - last > progress.window.step_max:
             progress.window.step_max = now - last
-        self._hand_loop.count(self.model, progress.window,
+        self._hand_loop.count(self._trained_model, progress.window,
                               progress.epoch_span)
         # Windows are aligned to multiples of `update_freq` batches in the
         # epoch, so a resumed run's records fall where the original's did.
@@ -328,7 +337,7 @@ class DistributedLogger(RuntimeCallback):
         steps = runtime.global_step - runtime.completed_steps
         timed = runtime.input_timed
         progress.last_batch = batch
-        self._hand_loop.batch_begin(self.model)
+        self._hand_loop.batch_begin(self._trained_model)
         if progress.epoch_first_step is None:
             progress.epoch_first_step = runtime.completed_steps
         progress.window.add(steps, progress.last, now, timed)
