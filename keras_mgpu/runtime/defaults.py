@@ -12,7 +12,9 @@ way, which a backend's `TrainFunctionWrapper` overrides where it differs
   eager read (nothing: TensorFlow trains them in place);
 - `read_device(read, cached, key, compiled)`: the values of `read` (a
   function of a converter from a variable or tensor to the value returned)
-  from one cached `tf.function`, one dispatch and one wait.
+  from one cached `tf.function`, one dispatch and one wait;
+- `local_gpus()`, `gpu_memory(num_gpus, reset)`: this process's GPUs and
+  their current and peak bytes, as TensorFlow's allocator counts them.
 """
 
 from __future__ import annotations
@@ -69,6 +71,30 @@ class _TensorFlowDefaults:
             cached = (key, tf.function(lambda: read(_tensor),
                                        autograph=False).get_concrete_function())
         return cached, cached[1]()
+
+    @staticmethod
+    def local_gpus() -> int:
+        """This process's GPUs."""
+        return len(tf.config.list_logical_devices("GPU"))
+
+    @staticmethod
+    def gpu_memory(num_gpus: int, reset: bool) -> dict:
+        """Current and peak bytes per local GPU (the peak reset after the
+        read with `reset`); `{}` without GPUs."""
+        out = {}
+        for index in range(num_gpus):
+            device = f"GPU:{index}"
+            try:
+                info = tf.config.experimental.get_memory_info(device)
+                if reset:
+                    tf.config.experimental.reset_memory_stats(device)
+            except (ValueError, tf.errors.OpError):
+                continue
+            out[f"GPU{index}"] = {
+                "current_bytes": int(info["current"]),
+                "peak_bytes": int(info["peak"]),
+            }
+        return out
 
 
 def _tensor(value):

@@ -14,7 +14,8 @@ meanwhile; a fetch the devices wait for is what makes a run input-bound.
 During an epoch the train state lives in `model._jax_state`, not in the
 model's variables (Keras purges them); the runtime puts it back
 (`model.jax_state_sync()`) before it reads counters, and reads a record's
-values eagerly.
+values eagerly. GPU memory comes from JAX's allocator (`memory_stats()`),
+whose peak cannot be reset.
 
 Not ported: resuming (the backup's `resume()`), so `BackupAndRestore` is
 refused before training.
@@ -25,6 +26,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Optional
 
+import jax
 import keras
 import numpy as np
 
@@ -159,6 +161,29 @@ class TrainFunctionWrapper:
         return cached, read(_host_value)
 
 
+    @staticmethod
+    def local_gpus() -> int:
+        """This process's GPUs, as JAX sees them."""
+        return len(_gpus())
+
+    @staticmethod
+    def gpu_memory(num_gpus: int, reset: bool) -> dict:
+        """Current and peak bytes per local GPU, as JAX's allocator counts
+        them; `{}` without GPUs. JAX cannot reset the peak: it is the
+        process's (`reset` is TensorFlow's)."""
+        out = {}
+        for index, device in enumerate(_gpus()[:num_gpus]):
+            stats = device.memory_stats() or {}
+            if "bytes_in_use" not in stats:
+                continue
+            current = int(stats["bytes_in_use"])
+            out[f"GPU{index}"] = {
+                "current_bytes": current,
+                "peak_bytes": int(stats.get("peak_bytes_in_use", current)),
+            }
+        return out
+
+
 class ResumeSkipping:
     """The resume's skipping on JAX: not ported (nothing to skip)."""
 
@@ -217,6 +242,11 @@ class _HostSeconds:
 
     def __array__(self, dtype=None, copy=None):
         return np.asarray(self.value, dtype=dtype or np.float64)
+
+
+def _gpus() -> list:
+    return [device for device in jax.local_devices()
+            if device.platform == "gpu"]
 
 
 def _host_value(value) -> np.ndarray:

@@ -12,7 +12,6 @@ import time
 from typing import Optional, Union
 
 import keras
-import tensorflow as tf
 
 from keras_mgpu import compat
 from keras_mgpu import strategy as strategy_lib
@@ -22,7 +21,7 @@ from keras_mgpu.callbacks.telemetry.console import _EpochLines
 from keras_mgpu.callbacks.telemetry.hand_loop import _HandLoop
 from keras_mgpu.callbacks.telemetry.options import _validate
 from keras_mgpu.callbacks.telemetry.profiler import _Profiler
-from keras_mgpu.callbacks.telemetry.reader import _memory, _read
+from keras_mgpu.callbacks.telemetry.reader import _read
 from keras_mgpu.callbacks.telemetry.records import (
     _Span, _floats, _measure, _record, _snapshot)
 from keras_mgpu.callbacks.telemetry.sinks import Sinks
@@ -48,8 +47,9 @@ class DistributedLogger(RuntimeCallback):
       input-pipeline analysis;
     - learning rate (through `LossScaleOptimizer` and schedules), loss scale
       and skipped steps under `mixed_float16`, current and peak memory per
-      local GPU (peak reset every record), and `grad_norm` / `accum_step` of
-      a `keras_mgpu.GradientAccumulationModel`;
+      local GPU (peak reset every record; on JAX, JAX's allocator's
+      figures, whose peak is the process's: JAX cannot reset it), and
+      `grad_norm` / `accum_step` of a `keras_mgpu.GradientAccumulationModel`;
     - across workers: min/mean/max of step time and examples/s, and the rank
       of the slowest worker.
 
@@ -273,12 +273,12 @@ class DistributedLogger(RuntimeCallback):
             workers=strategy_lib.num_workers() if multi else 1,
             replicas=strategy_lib.num_replicas(strategy),
             chief=strategy_lib.is_chief(),
-            num_gpus=len(tf.config.list_logical_devices("GPU")),
+            num_gpus=runtime.local_gpus(),
             freq=(float("inf") if self.update_freq == "epoch"
                   else self.update_freq))
         self._progress.in_epoch = False
         self._progress.last = None
-        _memory(fit.num_gpus, reset=True)
+        runtime.gpu_memory(fit.num_gpus, reset=True)
         # A `fit` that raised never reached `on_train_end`: its profile is
         # stopped here, and its sinks (whose writer has stopped by itself)
         # take this fit's records after the ones it wrote.
@@ -478,7 +478,7 @@ class DistributedLogger(RuntimeCallback):
             "loss_scale": read["loss_scale"],
             "grad_norm": read["grad_norm"],
             "accum_step": counters.micro_step,
-            "memory": _memory(fit.num_gpus, reset=True),
+            "memory": fit.runtime.gpu_memory(fit.num_gpus, reset=True),
             "workers": fit.workers,
             "replicas": fit.replicas,
         }

@@ -1,6 +1,7 @@
 """What a record reads from the device: metrics, the runtime's counters,
 learning rate, loss scale and the accumulation state, at once (on
-TensorFlow in one compiled call); and the local GPUs' memory."""
+TensorFlow in one compiled call). The local GPUs' memory is the
+runtime's too (`runtime.gpu_memory`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ from typing import Optional
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 from keras_mgpu.callbacks.telemetry.records import _floats
 
@@ -118,21 +118,3 @@ def _learning_rate_tensor(optimizer, value):
 
 def _scalar(value, kind):
     return None if value is None else kind(np.asarray(value))
-
-
-def _memory(num_gpus: int, reset: bool) -> dict:
-    """Current and peak bytes per local GPU; `{}` without GPUs."""
-    out = {}
-    for index in range(num_gpus):
-        device = f"GPU:{index}"
-        try:
-            info = tf.config.experimental.get_memory_info(device)
-            if reset:
-                tf.config.experimental.reset_memory_stats(device)
-        except (ValueError, tf.errors.OpError):
-            continue
-        out[f"GPU{index}"] = {
-            "current_bytes": int(info["current"]),
-            "peak_bytes": int(info["peak"]),
-        }
-    return out
