@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import keras_mgpu
 from keras_mgpu import GradientAccumulationModel
 from keras_mgpu.callbacks import DistributedLogger
 from keras_mgpu.callbacks.distributed_logger import JSONL_KEYS
@@ -292,3 +293,51 @@ def test_batches_between_records_leave_the_train_state_on_the_devices(
                                            console=False), synced])
     # Batch 0: the epoch's start; 3 and 6: a window closed there.
     assert synced.synced == [True, False, False, True, False, False, True]
+
+
+@pytest.mark.xfail(
+    strict=True, raises=keras_mgpu.compat.KerasInternalsError,
+    reason="compat.train_on_batch_resets_metrics() reads the TensorFlow "
+           "trainer's train_on_batch, which keras.Model does not derive "
+           "from on JAX")
+def test_train_on_batch_in_a_callback_list_counts_every_batch(data_parallel,
+                                                              tmp_path):
+    log_dir = str(tmp_path / "logs")
+    x, y = regression_data(20)
+    model = mlp()
+    model.compile("sgd", "mse")
+    callbacks = keras.callbacks.CallbackList(
+        [DistributedLogger(log_dir, update_freq=1, console=False)],
+        model=model)
+    given = []
+    callbacks.on_train_begin()
+    callbacks.on_epoch_begin(0)
+    for batch, (start, stop) in enumerate([(0, 8), (8, 16), (16, 20)]):
+        callbacks.on_train_batch_begin(batch)
+        logs = model.train_on_batch(x[start:stop], y[start:stop],
+                                    return_dict=True)
+        given.append(float(logs["loss"]))
+        callbacks.on_train_batch_end(batch, logs)
+    callbacks.on_epoch_end(0, logs)
+    callbacks.on_train_end()
+    records = read_jsonl(log_dir)
+    assert [(r["kind"], r["step"], r["examples"]) for r in records] == [
+        ("window", 1, 8.0), ("window", 2, 8.0), ("window", 3, 4.0),
+        ("epoch", 3, 20.0)]
+    assert [r["metrics"]["loss"] for r in records[:3]] == pytest.approx(given)
+
+
+def test_input_wait_is_timed_when_run_eagerly(data_parallel, tmp_path):
+    # JAX's fit fetches on the host either way: each fetch is timed.
+    x, y = regression_data(64)
+    model = mlp()
+    model.compile("sgd", "mse", run_eagerly=True)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0,
+              callbacks=[DistributedLogger(str(tmp_path), update_freq=2,
+                                           console=False)])
+    records = read_jsonl(str(tmp_path))
+    assert [(r["kind"], r["step"]) for r in records] == [
+        ("window", 2), ("window", 4), ("epoch", 4)]
+    assert all(r["input_wait"] is not None and 0 <= r["input_wait"] < 1
+               for r in records)
+    assert training_runtime(model).counters().input_wait_seconds > 0
