@@ -42,7 +42,16 @@ class RuntimeCallback(keras.callbacks.Callback):
     @property
     def runtime(self) -> TrainingRuntime:
         """The runtime of the model being trained."""
-        return training_runtime(self.model)
+        return training_runtime(self._trained_model)
+
+    @property
+    def _trained_model(self):
+        """The model, without the JAX train state put back in its variables
+        (Keras's `Callback.model` does that at every read on JAX, which a
+        hook run every batch cannot afford; the runtime syncs before its
+        own reads)."""
+        model = self.__dict__.get("_model")
+        return self.model if model is None else model
 
     def on_train_begin(self, logs=None):
         self.runtime.train_begin(self)

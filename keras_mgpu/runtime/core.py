@@ -25,9 +25,11 @@ import keras
 
 from keras_mgpu import backend, compat
 from keras_mgpu.runtime.counters import _RuntimeCounters
+from keras_mgpu.runtime.defaults import _TensorFlowDefaults
 
 # The backend's halves of the runtime: the train-function wrapper and the
-# resume's skipping (keras_mgpu/backend/__init__.py).
+# resume's skipping (keras_mgpu/backend/__init__.py); where they say
+# nothing, `_TensorFlowDefaults` (runtime/defaults.py).
 _backend = backend.active()
 # Before any callback is made: `model.fit(x, callbacks=[...])` looks `fit`
 # up before it makes them.
@@ -62,7 +64,7 @@ def training_runtime(model) -> "TrainingRuntime":
 
 
 class TrainingRuntime(_backend.TrainFunctionWrapper, _backend.ResumeSkipping,
-                      _RuntimeCounters):
+                      _RuntimeCounters, _TensorFlowDefaults):
     """One model's training runtime: the train-function wrapper and counters.
 
     Get it with `training_runtime(model)`; callbacks call its hooks, in any
@@ -160,10 +162,13 @@ class TrainingRuntime(_backend.TrainFunctionWrapper, _backend.ResumeSkipping,
 
     def train_begin(self, callback) -> None:
         """Starts a `fit` (or a hand-driven callback loop)."""
+        # Every callback, not only the first of a fit: one this backend
+        # cannot run is refused before anything trains.
+        self._check_callback(callback)
         params = callback.params
         if self._in_fit and (not params or params is self._fit_params):
             return
-        compat.check_runtime_support(self.model)
+        self._check_support()
         self._in_fit = True
         self._fit_params = params
         self._event = None

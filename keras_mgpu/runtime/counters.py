@@ -12,7 +12,6 @@ from typing import Optional
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 from keras_mgpu import compat
 from keras_mgpu import strategy as strategy_lib
@@ -84,16 +83,19 @@ class _RuntimeCounters:
         """Train batches finished (the global step minus a batch in progress)."""
         return self._steps_before_batch if self._in_batch else self.global_step
 
-    def time_input(self) -> tf.Variable:
-        """Asks for input timing (from the next batch on); returns the float64
-        variable holding this process's seconds waited for input."""
+    def time_input(self):
+        """Asks for input timing (from the next batch on); returns what holds
+        this process's seconds waited for input (`input_wait_variable`)."""
         self._timing_asked = True
         return self.input_wait_variable
 
     @property
-    def input_wait_variable(self) -> tf.Variable:
+    def input_wait_variable(self):
+        """This process's seconds waited for input: a float64 variable the
+        compiled step adds to on TensorFlow, a host counter on JAX (whose
+        `fit` fetches batches on the host); `np.asarray` reads either."""
         if self._input_wait is None:
-            self._input_wait = strategy_lib.local_variable(0.0, tf.float64)
+            self._input_wait = self._new_input_wait()
         return self._input_wait
 
     def counter_variables(self) -> dict:
@@ -122,6 +124,7 @@ class _RuntimeCounters:
                 Or their values, read by the caller in its own compiled call.
         """
         if values is None:
+            self._sync_state()
             values = {
                 key: None if v is None else np.asarray(
                     keras.ops.convert_to_numpy(v))
@@ -153,6 +156,7 @@ class _RuntimeCounters:
     def update_counts(self) -> tuple:
         """(attempted, applied) optimizer updates so far; two scalar reads.
         Applied is None without an optimizer."""
+        self._sync_state()
         model = self.model
         optimizer = getattr(model, "optimizer", None)
         # A plain model attempts one update per batch; an accumulating one
@@ -194,7 +198,7 @@ class _RuntimeCounters:
             "updates_offset": self._updates_offset,
             "input_wait_seconds": counters.input_wait_seconds,
             "replicas": strategy_lib.num_replicas(
-                self.model.distribute_strategy),
+                strategy_lib.of_model(self.model)),
             "resumes": [dataclasses.asdict(e) for e in self.resumes],
         }
 
@@ -210,7 +214,8 @@ class _RuntimeCounters:
         event = ResumeEvent(
             generation=generation, step=state["global_step"], epoch=epoch,
             saved_replicas=state["replicas"],
-            replicas=strategy_lib.num_replicas(self.model.distribute_strategy),
+            replicas=strategy_lib.num_replicas(
+                strategy_lib.of_model(self.model)),
         )
         self.resumes.append(event)
         self.resumed_here.append(event)
@@ -237,6 +242,7 @@ class _RuntimeCounters:
         if self._epoch_samples_counted:
             return
         self._epoch_samples_counted = True
+        self._sync_state()
         seen = compat.examples_seen(self.model)
         if seen is not None:
             self._samples_before_epoch += seen

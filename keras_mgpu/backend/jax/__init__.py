@@ -4,8 +4,9 @@
 JAX processes); `accumulation`: `GradientAccumulationModel`'s train step
 (window and in-step modes, the in-step window reduced across devices once
 per step under `shard_map`); `collectives`: host values from every
-process; `runtime`: the training runtime's halves, not built yet (making
-one raises `NotImplementedError`).
+process; `runtime`: the training runtime's halves (the train-function
+wrapper counting and timing each call's host fetches; no resuming yet, so
+`BackupAndRestore` is refused before training).
 """
 
 from keras_mgpu.backend.jax.accumulation import AccumulationSteps  # noqa: F401

@@ -1,27 +1,255 @@
-"""The training runtime's backend halves on JAX: not built yet.
+"""The training runtime's backend halves on JAX.
 
-`keras_mgpu.runtime.TrainingRuntime` (under `DistributedLogger`,
-`BackupAndRestore` and `LossScaleMonitor`) replaces Keras's train function
-to count and time what each call reads, and skips what a resumed run
-already trained on; on JAX that wrapper is not written yet, so making a
-runtime says so instead of training without what the callback promises.
+Keras's JAX `fit` calls `logs, state = model.train_function(state,
+iterator)` at every step, with the Python iterator of the epoch's batches:
+each batch is fetched on the host (sliced and put on the devices along the
+distribution's batch axis), then the step is dispatched. The wrapper hands
+Keras's train function an iterator that counts the batches each call reads
+(a call of `steps_per_execution` steps may hold fewer where the data ends)
+and, when asked, times each fetch with a host clock: the seconds the train
+loop spent fetching input rather than dispatching steps. JAX dispatches
+asynchronously, so the devices may still be running the previous step
+meanwhile; a fetch the devices wait for is what makes a run input-bound.
+
+During an epoch the train state lives in `model._jax_state`, not in the
+model's variables (Keras purges them); the runtime puts it back
+(`model.jax_state_sync()`) before it reads counters, and reads a record's
+values eagerly. GPU memory comes from JAX's allocator (`memory_stats()`),
+whose peak cannot be reset.
+
+Not ported: resuming (the backup's `resume()`), so `BackupAndRestore` is
+refused before training.
 """
 
 from __future__ import annotations
 
+import time
+from typing import Callable, Optional
+
+import jax
+import keras
+import numpy as np
+
+from keras_mgpu import compat
+
+# keras-mgpu's callbacks that need what JAX's halves do not give yet, by
+# the class that defines them (a subclass is refused as well): the backup
+# saves the run's position and resumes there.
+_NOT_PORTED = {
+    "keras_mgpu.callbacks.backup.callback.BackupAndRestore":
+        "BackupAndRestore (its snapshots and resuming mid-epoch)",
+}
+
 
 class TrainFunctionWrapper:
-    """Refuses to make a training runtime on JAX (see the module)."""
+    """`TrainingRuntime`'s wrapper of the model's train function on JAX."""
 
-    def __new__(cls, *args, **kwargs):
-        raise NotImplementedError(
-            "keras-mgpu's DistributedLogger, BackupAndRestore and "
-            "LossScaleMonitor do not run on Keras's JAX backend yet (their "
-            "training runtime wraps the TensorFlow train function). Train "
-            "with KERAS_BACKEND=tensorflow to use them; "
-            "GradientAccumulationModel, FP32OutputHead and the distribution "
-            "facts (keras_mgpu.num_replicas() and others) work on JAX.")
+    # --- the train function --------------------------------------------------
+
+    def _install(self) -> None:
+        """Puts the wrapper in place of `model.train_function` (again, if
+        another callback swapped it since)."""
+        model = self.model
+        current = getattr(model, "train_function", None)
+        if current is None or current is self._wrapper:
+            return
+        inner = getattr(current, "keras_mgpu_inner", current)
+        self._inner = inner
+        wait = self.input_wait_variable if self._timing_asked else None
+        # Every call is counted; its fetches are timed where asked.
+        self._runs_keras_step = wait is None
+
+        def train_function(state, iterator):
+            self._read_from(iterator)
+            fetches = _Fetches(iterator, wait)
+            try:
+                logs, state = self._scoped(inner, state, fetches)
+            except StopIteration:
+                # The data ended: this call trained nothing.
+                self._account(fetches.count, 0)
+                raise
+            self._account(fetches.count, fetches.count)
+            return logs, state
+
+        train_function.keras_mgpu_inner = inner
+        self._wrapper = model.train_function = train_function
+
+    def _scoped(self, function, state, iterator):
+        scope = self._step_scope
+        if scope is None:
+            return function(state, iterator)
+        with scope():
+            return function(state, iterator)
+
+    def _account(self, read: int, trained: int) -> None:
+        """The call in progress read `read` batches of the epoch and trained
+        `trained` of them."""
+        self.global_step = self._steps_before_batch + trained
+        self.epoch_step = self._batch_begin + read
+        self.batch_trains = trained > 0
+        self._stream_read += read
+
+    def _read_from(self, iterator) -> None:
+        """Notes the data iterator of this call: a new one, or the one an
+        earlier epoch read (Keras with `steps_per_epoch`)."""
+        if not self._first_call:
+            return
+        self._first_call = False
+        if iterator is self._stream:
+            self._stream_base = self._next_stream_base
+            self._keras_base = self._next_keras_base
+        else:
+            self._stream = iterator
+            self._stream_read = self._stream_base = self._keras_base = 0
+
+    @property
+    def input_timed(self) -> bool:
+        """Whether the batch in progress has its input wait timed."""
+        return (self._timing_asked and self._wrapper is not None
+                and not self._runs_keras_step and self.batch_trains)
+
+    def _uninstall(self) -> None:
+        model = self.model
+        if self._wrapper is not None and getattr(
+                model, "train_function", None) is self._wrapper:
+            model.train_function = self._inner
+        self._wrapper = None
+
+    # --- the backend's hooks (runtime/defaults.py has TensorFlow's) ---------
+
+    def _check_support(self) -> None:
+        """What the runtime reads of Keras, checked as a `fit` begins: the
+        loss tracker's sample count and the running `fit`'s epoch
+        iterator."""
+        model = self.model
+        compat.examples_count(model)
+        epoch_iterator = compat.fit_epoch_iterator(model)
+        if epoch_iterator is not None:
+            compat.epoch_iterator_keeps_iterator(epoch_iterator)
+            compat.epoch_iterator_count(epoch_iterator)
+            compat.epoch_iterator_reads_on(epoch_iterator, None)
+
+    def _check_callback(self, callback) -> None:
+        for cls in type(callback).__mro__:
+            what = _NOT_PORTED.get(f"{cls.__module__}.{cls.__qualname__}")
+            if what is not None:
+                raise NotImplementedError(
+                    f"keras-mgpu's {what} does not run on Keras's JAX "
+                    "backend yet. Train with KERAS_BACKEND=tensorflow to "
+                    "use it, or use Keras's own keras.callbacks."
+                    "BackupAndRestore on JAX; DistributedLogger, "
+                    "LossScaleMonitor, GradientAccumulationModel, "
+                    "FP32OutputHead and the distribution facts run on JAX.")
+
+    @staticmethod
+    def _new_input_wait():
+        return _HostSeconds()
+
+    def _sync_state(self) -> None:
+        model = self.model
+        if model is not None:
+            # A no-op where the variables hold the state already.
+            model.jax_state_sync()
+
+    def read_device(self, read: Callable[[Callable], dict],
+                    cached: Optional[tuple] = None, key=None,
+                    compiled: bool = True) -> tuple[Optional[tuple], dict]:
+        """The values `read(value)` returns, read eagerly once the train
+        state is in the model's variables (`cached`, `key` and `compiled`
+        are TensorFlow's: nothing is compiled here)."""
+        self._sync_state()
+        return cached, read(_host_value)
+
+
+    @staticmethod
+    def local_gpus() -> int:
+        """This process's GPUs, as JAX sees them."""
+        return len(_gpus())
+
+    @staticmethod
+    def gpu_memory(num_gpus: int, reset: bool) -> dict:
+        """Current and peak bytes per local GPU, as JAX's allocator counts
+        them; `{}` without GPUs. JAX cannot reset the peak: it is the
+        process's (`reset` is TensorFlow's)."""
+        out = {}
+        for index, device in enumerate(_gpus()[:num_gpus]):
+            stats = device.memory_stats() or {}
+            if "bytes_in_use" not in stats:
+                continue
+            current = int(stats["bytes_in_use"])
+            out[f"GPU{index}"] = {
+                "current_bytes": current,
+                "peak_bytes": int(stats.get("peak_bytes_in_use", current)),
+            }
+        return out
 
 
 class ResumeSkipping:
-    """The resume's skipping on JAX: nothing until the runtime exists."""
+    """The resume's skipping on JAX: not ported (nothing to skip)."""
+
+    def resume(self, state: dict, *, generation: int, epoch: int,
+               step_in_epoch: int):
+        raise NotImplementedError(
+            "keras-mgpu's training runtime does not resume a run on Keras's "
+            "JAX backend yet (BackupAndRestore is TensorFlow-only).")
+
+
+class _Fetches:
+    """The iterator Keras's train function reads, counting its batches and
+    adding the seconds each fetch took to `wait` (None: untimed)."""
+
+    __slots__ = ("_iterator", "_wait", "count")
+
+    def __init__(self, iterator, wait: Optional["_HostSeconds"]):
+        self._iterator = iterator
+        self._wait = wait
+        self.count = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        wait = self._wait
+        if wait is None:
+            element = next(self._iterator)
+        else:
+            start = time.perf_counter()
+            try:
+                element = next(self._iterator)
+            finally:
+                wait.value += time.perf_counter() - start
+        self.count += 1
+        return element
+
+
+class _HostSeconds:
+    """Seconds waited for input, kept on the host: what the runtime's
+    `input_wait_variable` is on JAX (`np.asarray` and `float` read it)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self):
+        self.value = 0.0
+
+    def assign(self, value) -> None:
+        self.value = float(value)
+
+    def numpy(self) -> np.float64:
+        return np.float64(self.value)
+
+    def __float__(self) -> float:
+        return self.value
+
+    def __array__(self, dtype=None, copy=None):
+        return np.asarray(self.value, dtype=dtype or np.float64)
+
+
+def _gpus() -> list:
+    return [device for device in jax.local_devices()
+            if device.platform == "gpu"]
+
+
+def _host_value(value) -> np.ndarray:
+    if isinstance(value, _HostSeconds):
+        return value.numpy()
+    return np.asarray(keras.ops.convert_to_numpy(value))

@@ -12,7 +12,6 @@ import time
 from typing import Optional, Union
 
 import keras
-import tensorflow as tf
 
 from keras_mgpu import compat
 from keras_mgpu import strategy as strategy_lib
@@ -22,7 +21,7 @@ from keras_mgpu.callbacks.telemetry.console import _EpochLines
 from keras_mgpu.callbacks.telemetry.hand_loop import _HandLoop
 from keras_mgpu.callbacks.telemetry.options import _validate
 from keras_mgpu.callbacks.telemetry.profiler import _Profiler
-from keras_mgpu.callbacks.telemetry.reader import _memory, _read
+from keras_mgpu.callbacks.telemetry.reader import _read
 from keras_mgpu.callbacks.telemetry.records import (
     _Span, _floats, _measure, _record, _snapshot)
 from keras_mgpu.callbacks.telemetry.sinks import Sinks
@@ -48,8 +47,9 @@ class DistributedLogger(RuntimeCallback):
       input-pipeline analysis;
     - learning rate (through `LossScaleOptimizer` and schedules), loss scale
       and skipped steps under `mixed_float16`, current and peak memory per
-      local GPU (peak reset every record), and `grad_norm` / `accum_step` of
-      a `keras_mgpu.GradientAccumulationModel`;
+      local GPU (peak reset every record; on JAX, JAX's allocator's
+      figures, whose peak is the process's: JAX cannot reset it), and
+      `grad_norm` / `accum_step` of a `keras_mgpu.GradientAccumulationModel`;
     - across workers: min/mean/max of step time and examples/s, and the rank
       of the slowest worker.
 
@@ -138,9 +138,18 @@ class DistributedLogger(RuntimeCallback):
     ops that add its duration to a variable (read with the metrics). The
     training math is unchanged. Without Keras's compiled train function
     (`run_eagerly=True`, or batches another callback stands in for) a
-    record's `input_wait` is `null`; so in a hand-written loop. A multi-worker record gives the mean
+    record's `input_wait` is `null`; so in a hand-written loop. On Keras's
+    JAX backend `fit` fetches each batch on the host (and puts it on the
+    devices) before it dispatches the step, so each fetch is timed with a
+    host clock instead, `run_eagerly=True` included; JAX dispatches
+    asynchronously, so the devices may still be busy with the previous
+    step meanwhile. A multi-worker record gives the mean
     over workers, flagged (`input_bound`) from that mean; each worker's is
     in `worker_input_wait`.
+
+    On JAX, Keras keeps the train state out of the model's variables
+    during an epoch; the logger puts it back (`model.jax_state_sync()`)
+    only to read a record, not at every batch.
 
     Args:
         log_dir: Directory for all output (created on the chief only): a
@@ -254,7 +263,7 @@ class DistributedLogger(RuntimeCallback):
         # in the logs of each batch end.
         self._hand_loop.begin(self.model)
         runtime.time_input()
-        strategy = self.model.distribute_strategy
+        strategy = strategy_lib.of_model(self.model)
         multi = strategy_lib.is_multi_worker(strategy)
         # Read at the first trained batch (after any resume). The reader is
         # traced at the first record (the metrics exist by then), and kept
@@ -264,12 +273,12 @@ class DistributedLogger(RuntimeCallback):
             workers=strategy_lib.num_workers() if multi else 1,
             replicas=strategy_lib.num_replicas(strategy),
             chief=strategy_lib.is_chief(),
-            num_gpus=len(tf.config.list_logical_devices("GPU")),
+            num_gpus=runtime.local_gpus(),
             freq=(float("inf") if self.update_freq == "epoch"
                   else self.update_freq))
         self._progress.in_epoch = False
         self._progress.last = None
-        _memory(fit.num_gpus, reset=True)
+        runtime.gpu_memory(fit.num_gpus, reset=True)
         # A `fit` that raised never reached `on_train_end`: its profile is
         # stopped here, and its sinks (whose writer has stopped by itself)
         # take this fit's records after the ones it wrote.
@@ -310,7 +319,7 @@ class DistributedLogger(RuntimeCallback):
         last = progress.last_begin
         if last is not None and now - last > progress.window.step_max:
             progress.window.step_max = now - last
-        self._hand_loop.count(self.model, progress.window,
+        self._hand_loop.count(self._trained_model, progress.window,
                               progress.epoch_span)
         # Windows are aligned to multiples of `update_freq` batches in the
         # epoch, so a resumed run's records fall where the original's did.
@@ -328,7 +337,7 @@ class DistributedLogger(RuntimeCallback):
         steps = runtime.global_step - runtime.completed_steps
         timed = runtime.input_timed
         progress.last_batch = batch
-        self._hand_loop.batch_begin(self.model)
+        self._hand_loop.batch_begin(self._trained_model)
         if progress.epoch_first_step is None:
             progress.epoch_first_step = runtime.completed_steps
         progress.window.add(steps, progress.last, now, timed)
@@ -469,7 +478,7 @@ class DistributedLogger(RuntimeCallback):
             "loss_scale": read["loss_scale"],
             "grad_norm": read["grad_norm"],
             "accum_step": counters.micro_step,
-            "memory": _memory(fit.num_gpus, reset=True),
+            "memory": fit.runtime.gpu_memory(fit.num_gpus, reset=True),
             "workers": fit.workers,
             "replicas": fit.replicas,
         }

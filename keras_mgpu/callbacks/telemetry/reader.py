@@ -1,6 +1,7 @@
 """What a record reads from the device: metrics, the runtime's counters,
-learning rate, loss scale and the accumulation state, in one compiled call;
-and the local GPUs' memory."""
+learning rate, loss scale and the accumulation state, at once (on
+TensorFlow in one compiled call). The local GPUs' memory is the
+runtime's too (`runtime.gpu_memory`)."""
 
 from __future__ import annotations
 
@@ -8,45 +9,43 @@ from typing import Optional
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 from keras_mgpu.callbacks.telemetry.records import _floats
 
 
 def _read(model, runtime, reader: Optional[tuple], check: bool
           ) -> tuple[Optional[tuple], bool, dict]:
-    """Everything a record reads from the device, in one compiled call.
+    """Everything a record reads from the device, at once.
 
     Metrics, the runtime's counters, learning rate, loss scale and the
-    accumulation state come back from one cached `tf.function` (one
-    dispatch, one wait for the device) instead of a dozen eager reads.
+    accumulation state, read as the runtime's backend reads device values
+    (`runtime.read_device`): on TensorFlow one cached `tf.function` (one
+    dispatch, one wait for the device) instead of a dozen eager reads; on
+    JAX eagerly, once the train state is back in the model's variables.
     Reading the replica-summed metrics is a collective under
     MultiWorkerMirroredStrategy: every worker calls this at the same
     record boundaries.
 
-    `reader` is the `(key, concrete function)` kept from earlier reads;
-    with `check`, it is compared with what the model reads now and traced
-    anew if that changed. Returns the reader to keep, whether it was
-    checked, and the values.
+    `reader` is what the runtime kept from earlier reads (on TensorFlow,
+    `(key, concrete function)`); with `check`, it is compared with what
+    the model reads now and traced anew if that changed. Returns the
+    reader to keep, whether it was checked, and the values.
     """
     optimizer = getattr(model, "optimizer", None)
+
+    def read(value):
+        return _read_values(model, runtime, value)
+
     if optimizer is not None and not optimizer.built:
         # A hand-written loop that has not stepped the optimizer yet:
         # read eagerly, its variables may not exist.
-        raw = _read_values(model, runtime)
+        reader, raw = runtime.read_device(read, reader, compiled=False)
         checked = False
     else:
         checked = check
-        if check:
-            # Once per fit (the key walks the model's metrics). The
-            # concrete function holds what it reads, so the ids in the
-            # key stay theirs while it lives.
-            key = _reader_key(model, runtime)
-            if reader is None or reader[0] != key:
-                reader = (key, tf.function(
-                    lambda: _read_values(model, runtime),
-                    autograph=False).get_concrete_function())
-        raw = reader[1]()
+        # Once per fit (the key walks the model's metrics).
+        key = _reader_key(model, runtime) if check else None
+        reader, raw = runtime.read_device(read, reader, key)
     values = {k: None if v is None else np.asarray(v)
               for k, v in raw["counters"].items()}
     return reader, checked, {
@@ -58,15 +57,15 @@ def _read(model, runtime, reader: Optional[tuple], check: bool
     }
 
 
-def _read_values(model, runtime) -> dict:
-    """The tensors a record reads (traced into the logger's reader)."""
+def _read_values(model, runtime, value) -> dict:
+    """The values a record reads (traced into the logger's reader on
+    TensorFlow); `value(x)` converts a variable or tensor."""
     optimizer = getattr(model, "optimizer", None)
     loss_scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
     window = getattr(model, "window_variables", None) or {}
 
     def tensor(variable):
-        return None if variable is None else tf.identity(
-            keras.ops.convert_to_tensor(variable))
+        return None if variable is None else value(variable)
 
     return {
         "metrics": _metrics_result(model),
@@ -74,7 +73,8 @@ def _read_values(model, runtime) -> dict:
                      for key, v in runtime.counter_variables().items()},
         "grad_norm": tensor(window.get("grad_norm")),
         "learning_rate": (
-            None if optimizer is None else _learning_rate_tensor(optimizer)),
+            None if optimizer is None
+            else _learning_rate_tensor(optimizer, value)),
         "loss_scale": (
             tensor(optimizer.dynamic_scale) if loss_scaled else None),
     }
@@ -107,32 +107,14 @@ def _metrics_result(model) -> dict:
     return out
 
 
-def _learning_rate_tensor(optimizer):
+def _learning_rate_tensor(optimizer, value):
     try:
         # Through LossScaleOptimizer; a schedule is evaluated at the
         # optimizer's iterations.
-        return tf.convert_to_tensor(optimizer.learning_rate)
+        return value(optimizer.learning_rate)
     except (AttributeError, TypeError, ValueError):
         return None
 
 
 def _scalar(value, kind):
     return None if value is None else kind(np.asarray(value))
-
-
-def _memory(num_gpus: int, reset: bool) -> dict:
-    """Current and peak bytes per local GPU; `{}` without GPUs."""
-    out = {}
-    for index in range(num_gpus):
-        device = f"GPU:{index}"
-        try:
-            info = tf.config.experimental.get_memory_info(device)
-            if reset:
-                tf.config.experimental.reset_memory_stats(device)
-        except (ValueError, tf.errors.OpError):
-            continue
-        out[f"GPU{index}"] = {
-            "current_bytes": int(info["current"]),
-            "peak_bytes": int(info["peak"]),
-        }
-    return out

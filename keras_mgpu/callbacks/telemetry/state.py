@@ -6,8 +6,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-import tensorflow as tf
-
 from keras_mgpu.callbacks.telemetry.records import _Span
 
 
@@ -16,7 +14,8 @@ class _Fit:
     """What one `fit` (or hand-written loop) of the logger runs under."""
 
     runtime: object  # keras_mgpu.runtime.TrainingRuntime
-    strategy: tf.distribute.Strategy
+    # The tf.distribute strategy; on JAX, the keras.distribution (or None).
+    strategy: object
     workers: int
     replicas: int
     chief: bool
