@@ -15,7 +15,11 @@ the rest of keras-mgpu reaches it only through these names:
   `keras_mgpu.runtime.TrainingRuntime` that replace `model.train_function`
   (counting and timing what each call reads) and skip what a resumed run
   already trained on. They are mixins of the runtime and keep their state
-  on it (`keras_mgpu/runtime/core.py` lists it).
+  on it (`keras_mgpu/runtime/core.py` lists it). The wrapper also answers
+  the runtime's backend hooks: `_check_support()`,
+  `_check_callback(callback)`, `_new_input_wait()`, `_sync_state()`,
+  `read_device(read, cached, key, compiled)`, `local_gpus()`,
+  `gpu_memory(num_gpus, reset)`.
 
 `tensorflow/` serves `tf.distribute`, `jax/` `keras.distribution`; another
 backend is a package next to them providing the same names, and its entry

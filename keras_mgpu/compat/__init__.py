@@ -63,6 +63,7 @@ from keras_mgpu.compat.fit_context import record_fits  # noqa: F401
 from keras_mgpu.compat.fit_context import record_fits_from_import  # noqa: F401
 from keras_mgpu.compat.fit_context import running_fit  # noqa: F401
 from keras_mgpu.compat.keras_trainer import _copied_originals  # noqa: F401
+from keras_mgpu.compat.keras_trainer import active_trainer_module  # noqa: F401
 from keras_mgpu.compat.keras_trainer import enable_multi_step_fit  # noqa: F401
 from keras_mgpu.compat.keras_trainer import enable_multi_worker_fit  # noqa: F401
 from keras_mgpu.compat.keras_trainer import multi_step_fit_enabled  # noqa: F401

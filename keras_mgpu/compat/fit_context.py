@@ -22,6 +22,7 @@ import keras
 
 from keras_mgpu.compat._core import (
     _internals_error, _module_if_present, _require, _require_module)
+from keras_mgpu.compat.keras_trainer import active_trainer_module
 from keras_mgpu.compat.keras_trainer import trainer_class
 from keras_mgpu.compat.registry import _RUNNING_FIT
 
@@ -65,7 +66,7 @@ def record_fits() -> None:
     """Checks that this Keras has what the recording needs, and makes every
     later `fit` record itself while it runs (wrapped once per process).
     Called where keras-mgpu's callbacks and runtime are made."""
-    trainer = trainer_class(_RUNNING_FIT, _trainer_module())
+    trainer = trainer_class(_RUNNING_FIT, active_trainer_module())
     _require(trainer, "fit", _RUNNING_FIT, params=_FIT_PARAMS)
     iterator_class = _require(_require_module(_EPOCH_ITERATOR, _RUNNING_FIT),
                               "EpochIterator", _RUNNING_FIT)
@@ -82,11 +83,6 @@ def record_fits() -> None:
     _wrap(trainer, iterator_class)
 
 
-def _trainer_module() -> str:
-    """The module of the trainer `fit` runs in, on the active backend."""
-    return f"keras.src.backend.{keras.backend.backend()}.trainer"
-
-
 def record_fits_from_import() -> None:
     """`record_fits()` as keras-mgpu is imported, unchecked and silent.
 
@@ -96,7 +92,7 @@ def record_fits_from_import() -> None:
     wrapped here: `record_fits()` says so where it is first used.
     """
     trainer = next((cls for cls in keras.Model.__mro__
-                    if cls.__module__ == _trainer_module()), None)
+                    if cls.__module__ == active_trainer_module()), None)
     iterator_class = getattr(_module_if_present(_EPOCH_ITERATOR),
                              "EpochIterator", None)
     if (trainer is not None and iterator_class is not None

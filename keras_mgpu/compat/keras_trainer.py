@@ -24,6 +24,12 @@ from keras_mgpu.compat.saving import _saving_lib
 _TF_TRAINER = "keras.src.backend.tensorflow.trainer"
 
 
+def active_trainer_module() -> str:
+    """The module of the trainer `fit` runs in on the active backend
+    (`keras.src.backend.<backend>.trainer`)."""
+    return f"keras.src.backend.{keras.backend.backend()}.trainer"
+
+
 def trainer_class(used_for: str = _MULTI_STEP_FIX,
                   module_name: str = _TF_TRAINER) -> type:
     """Keras's trainer: the class of `module_name` (default: the TensorFlow

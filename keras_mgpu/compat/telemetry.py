@@ -12,6 +12,7 @@ import keras
 import numpy as np
 
 from keras_mgpu.compat._core import _internals_error, _require, _require_module
+from keras_mgpu.compat.keras_trainer import active_trainer_module
 from keras_mgpu.compat.keras_trainer import trainer_class
 from keras_mgpu.compat.registry import _SUMMARIES, _TELEMETRY
 
@@ -106,7 +107,7 @@ def train_on_batch_resets_metrics() -> bool:
     installed trainer's code, not its version. Remove when keras-mgpu no
     longer supports a Keras without the reset.
     """
-    trainer = trainer_class(_TELEMETRY)
+    trainer = trainer_class(_TELEMETRY, active_trainer_module())
     method = inspect.unwrap(_require(trainer, "train_on_batch", _TELEMETRY))
     code = getattr(method, "__code__", None)
     if code is None:

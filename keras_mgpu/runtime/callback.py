@@ -33,11 +33,21 @@ class RuntimeCallback(keras.callbacks.Callback):
     8
     """
 
+    # Whether the callback resumes a run from saved state, which a backend
+    # whose runtime cannot resume yet refuses before training (as Keras's
+    # `_supports_tf_logs`, a class attribute for subclasses to set).
+    _needs_resume = False
+
     def __init__(self):
         super().__init__()
+        self._trained = None
         # Refuses a Keras without what the runtime reads of a running `fit`
         # now, not at the first batch.
         compat.record_fits()
+
+    def set_model(self, model):
+        super().set_model(model)
+        self._trained = model
 
     @property
     def runtime(self) -> TrainingRuntime:
@@ -50,8 +60,7 @@ class RuntimeCallback(keras.callbacks.Callback):
         (Keras's `Callback.model` does that at every read on JAX, which a
         hook run every batch cannot afford; the runtime syncs before its
         own reads)."""
-        model = self.__dict__.get("_model")
-        return self.model if model is None else model
+        return self.model if self._trained is None else self._trained
 
     def on_train_begin(self, logs=None):
         self.runtime.train_begin(self)

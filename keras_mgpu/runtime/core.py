@@ -25,11 +25,10 @@ import keras
 
 from keras_mgpu import backend, compat
 from keras_mgpu.runtime.counters import _RuntimeCounters
-from keras_mgpu.runtime.defaults import _TensorFlowDefaults
 
-# The backend's halves of the runtime: the train-function wrapper and the
-# resume's skipping (keras_mgpu/backend/__init__.py); where they say
-# nothing, `_TensorFlowDefaults` (runtime/defaults.py).
+# The backend's halves of the runtime: the train-function wrapper (with
+# the runtime's backend hooks) and the resume's skipping
+# (keras_mgpu/backend/__init__.py).
 _backend = backend.active()
 # Before any callback is made: `model.fit(x, callbacks=[...])` looks `fit`
 # up before it makes them.
@@ -64,7 +63,7 @@ def training_runtime(model) -> "TrainingRuntime":
 
 
 class TrainingRuntime(_backend.TrainFunctionWrapper, _backend.ResumeSkipping,
-                      _RuntimeCounters, _TensorFlowDefaults):
+                      _RuntimeCounters):
     """One model's training runtime: the train-function wrapper and counters.
 
     Get it with `training_runtime(model)`; callbacks call its hooks, in any

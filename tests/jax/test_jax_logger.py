@@ -295,11 +295,6 @@ def test_batches_between_records_leave_the_train_state_on_the_devices(
     assert synced.synced == [True, False, False, True, False, False, True]
 
 
-@pytest.mark.xfail(
-    strict=True, raises=keras_mgpu.compat.KerasInternalsError,
-    reason="compat.train_on_batch_resets_metrics() reads the TensorFlow "
-           "trainer's train_on_batch, which keras.Model does not derive "
-           "from on JAX")
 def test_train_on_batch_in_a_callback_list_counts_every_batch(data_parallel,
                                                               tmp_path):
     log_dir = str(tmp_path / "logs")

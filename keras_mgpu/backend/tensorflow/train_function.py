@@ -7,6 +7,9 @@ fetches when asked, and hands a resumed run's first calls to the skipping.
 
 from __future__ import annotations
 
+from typing import Callable, Optional
+
+import keras
 import tensorflow as tf
 
 from keras_mgpu import compat
@@ -14,7 +17,8 @@ from keras_mgpu import strategy as strategy_lib
 
 
 class TrainFunctionWrapper:
-    """`TrainingRuntime`'s wrapper of the model's train function."""
+    """`TrainingRuntime`'s wrapper of the model's train function, and the
+    runtime's backend hooks (`keras_mgpu/backend/__init__.py` lists them)."""
 
     # --- the train function --------------------------------------------------
 
@@ -163,6 +167,73 @@ class TrainFunctionWrapper:
                        if entry[0] is current}
 
 
+    # --- the backend's hooks ----------------------------------------------
+
+    def _check_support(self) -> None:
+        compat.check_runtime_support(self.model)
+
+    def _check_callback(self, callback) -> None:
+        pass
+
+    @staticmethod
+    def _new_input_wait():
+        return strategy_lib.local_variable(0.0, tf.float64)
+
+    def _sync_state(self) -> None:
+        pass
+
+    def read_device(self, read: Callable[[Callable], dict],
+                    cached: Optional[tuple] = None, key=None,
+                    compiled: bool = True) -> tuple[Optional[tuple], dict]:
+        """The values `read(value)` returns, read at once.
+
+        Args:
+            read: Builds the dict of values to read; `value(x)` converts a
+                variable or tensor to what it holds.
+            cached: Defaults to None. The `(key, reader)` kept from an
+                earlier read.
+            key: Defaults to None: reuse `cached`. Else what `read` reads,
+                by identity: `cached` is traced anew where it differs.
+            compiled: Defaults to True. False reads eagerly (variables
+                that may not exist yet).
+
+        Returns:
+            The `(key, reader)` to keep, and the values (tensors, or
+            arrays: `np.asarray` takes either).
+        """
+        if not compiled:
+            return cached, read(_tensor)
+        if key is not None and (cached is None or cached[0] != key):
+            # The concrete function holds what it reads, so the ids in the
+            # key stay theirs while it lives.
+            cached = (key, tf.function(lambda: read(_tensor),
+                                       autograph=False).get_concrete_function())
+        return cached, cached[1]()
+
+    @staticmethod
+    def local_gpus() -> int:
+        """This process's GPUs."""
+        return len(tf.config.list_logical_devices("GPU"))
+
+    @staticmethod
+    def gpu_memory(num_gpus: int, reset: bool) -> dict:
+        """Current and peak bytes per local GPU (the peak reset after the
+        read with `reset`); `{}` without GPUs."""
+        out = {}
+        for index in range(num_gpus):
+            device = f"GPU:{index}"
+            try:
+                info = tf.config.experimental.get_memory_info(device)
+                if reset:
+                    tf.config.experimental.reset_memory_stats(device)
+            except (ValueError, tf.errors.OpError):
+                continue
+            out[f"GPU{index}"] = {
+                "current_bytes": int(info["current"]),
+                "peak_bytes": int(info["peak"]),
+            }
+        return out
+
 def _next(iterator):
     """The next batch; StopIteration at the end of the data (TensorFlow may
     raise OutOfRangeError there)."""
@@ -170,3 +241,7 @@ def _next(iterator):
         return next(iterator)
     except tf.errors.OutOfRangeError:
         raise StopIteration from None
+
+
+def _tensor(value):
+    return tf.identity(keras.ops.convert_to_tensor(value))

@@ -209,6 +209,8 @@ class BackupAndRestore(RuntimeCallback):
     2
     """
 
+    _needs_resume = True
+
     def __init__(
         self,
         backup_dir: str,
