@@ -1,6 +1,7 @@
-"""Timing helpers shared by the benchmark scripts."""
+"""Helpers shared by the benchmark scripts: epoch timing, Markdown tables."""
 
 import time
+from typing import Sequence
 
 import keras
 
@@ -29,3 +30,20 @@ class EpochTimer:
                 timer.hook_times.append(timer.hook_seconds)
 
         self.start, self.stop = Start(), Stop()
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]],
+                    text_columns: set[int]) -> str:
+    """A Markdown table, readable in a terminal too."""
+    rows = [tuple(header), *rows]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = []
+    for i, row in enumerate(rows):
+        cells = [c.ljust(w) if j in text_columns else c.rjust(w)
+                 for j, (c, w) in enumerate(zip(row, widths))]
+        lines.append("| " + " | ".join(cells) + " |")
+        if i == 0:
+            lines.append("|" + "|".join(
+                "-" * (w + 1) + ("-" if j in text_columns else ":")
+                for j, w in enumerate(widths)) + "|")
+    return "\n".join(lines)

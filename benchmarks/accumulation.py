@@ -71,7 +71,7 @@ from keras_mgpu import strategy as strategy_lib  # noqa: E402
 
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from _timing import EpochTimer  # noqa: E402
+from _timing import EpochTimer, markdown_table  # noqa: E402
 
 MODELS = ("mlp", "convnet")
 PLAIN = "plain fit"
@@ -467,23 +467,6 @@ def compute_ratios(results: list[Result], args: argparse.Namespace) -> dict:
     }
 
 
-def _markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]],
-                    text_columns: set[int]) -> str:
-    """A Markdown table, readable in a terminal too."""
-    rows = [tuple(header), *rows]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = []
-    for i, row in enumerate(rows):
-        cells = [c.ljust(w) if j in text_columns else c.rjust(w)
-                 for j, (c, w) in enumerate(zip(row, widths))]
-        lines.append("| " + " | ".join(cells) + " |")
-        if i == 0:
-            lines.append("|" + "|".join(
-                "-" * (w + 1) + ("-" if j in text_columns else ":")
-                for j, w in enumerate(widths)) + "|")
-    return "\n".join(lines)
-
-
 def format_table(results: list[Result]) -> str:
     header = ("model", "replicas", "configuration", "N", "micro-batch",
               "fit steps", "ms/micro-batch", "samples/s", "vs plain",
@@ -499,7 +482,7 @@ def format_table(results: list[Result]) -> str:
             "-" if r.vs_plain is None else f"{r.vs_plain:.2f}x",
             f"{100 * r.spread:.0f}%",
         ))
-    return _markdown_table(header, rows, {0, 2})
+    return markdown_table(header, rows, {0, 2})
 
 
 def _verdict(met: bool) -> str:
@@ -774,7 +757,7 @@ def format_memory(memory: dict) -> str:
             "n/a" if rss is None else f"{rss / mib:.1f}",
             against_window(r),
         ))
-    lines = [_markdown_table(header, rows, {0}), "",
+    lines = [markdown_table(header, rows, {0}), "",
              "vs window: peak over window mode's peak at the same N (plain "
              "fit, big batch: at N = its batch / the micro-batch).", "",
              "(e) in-step / window mode, peak memory, 1 replica (target <= "

@@ -83,7 +83,7 @@ import keras_mgpu  # noqa: E402
 
 import jax  # noqa: E402
 import keras  # noqa: E402
-from _timing import EpochTimer  # noqa: E402
+from _timing import EpochTimer, markdown_table  # noqa: E402
 
 BIG = "big batch"
 KERAS = "Keras's own"
@@ -373,23 +373,6 @@ def run_timing(args: argparse.Namespace) -> list[dict]:
 # --- Output -------------------------------------------------------------------
 
 
-def _markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]],
-                    text_columns: set[int]) -> str:
-    """A Markdown table, readable in a terminal too."""
-    rows = [tuple(header), *rows]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = []
-    for i, row in enumerate(rows):
-        cells = [c.ljust(w) if j in text_columns else c.rjust(w)
-                 for j, (c, w) in enumerate(zip(row, widths))]
-        lines.append("| " + " | ".join(cells) + " |")
-        if i == 0:
-            lines.append("|" + "|".join(
-                "-" * (w + 1) + ("-" if j in text_columns else ":")
-                for j, w in enumerate(widths)) + "|")
-    return "\n".join(lines)
-
-
 def format_cases(rows: list[dict]) -> str:
     header = ("case", "method", "batch", "fit steps", "iterations",
               "max abs diff vs big batch", "max abs change from init")
@@ -407,7 +390,7 @@ def format_cases(rows: list[dict]) -> str:
         cells.append((r["case"], r["method"], str(r["batch"]),
                       str(r["fit_steps"]), iterations, diff,
                       f"{r['moved']:.2e}"))
-    return _markdown_table(header, cells, {0, 1})
+    return markdown_table(header, cells, {0, 1})
 
 
 def format_timing(rows: list[dict]) -> str:
@@ -430,7 +413,7 @@ def format_timing(rows: list[dict]) -> str:
             "-" if vs is None else f"{vs:.2f}x",
             f"{100 * r['spread']:.0f}%",
         ))
-    return _markdown_table(header, cells, {0})
+    return markdown_table(header, cells, {0})
 
 
 def _errors(rows: list[dict]) -> list[str]:

@@ -16,11 +16,12 @@ import tensorflow as tf
 
 from keras_mgpu import GradientAccumulationModel, data
 from keras_mgpu.callbacks import input_wait_summary
-from keras_mgpu.callbacks.distributed_logger import JSONL_KEYS
 from keras_mgpu.callbacks.distributed_logger import DistributedLogger
 from keras_mgpu.mixed_precision import LossScaleMonitor
 from keras_mgpu.runtime import training_runtime
 from tests import logger_workers, workers
+from tests.logger_checks import (check_reference_records,
+                                 check_tensorboard_layout, read_scalars)
 from tests.conftest import mirrored
 from tests.test_sinks import TORN, open_handles, torn_log_dir, writer_threads
 
@@ -34,21 +35,6 @@ def read_lines(log_dir):
 
 def read_jsonl(log_dir):
     return [json.loads(line) for line in read_lines(log_dir)]
-
-
-def read_scalars(log_dir, run="train"):
-    """{tag: [(step, value), ...]} from the chief's TensorBoard events of
-    one run (local or at a URL)."""
-    scalars = {}
-    paths = tf.io.gfile.glob(
-        tf.io.gfile.join(log_dir, run, "events.out.tfevents.*"))
-    assert paths, f"no events file under {log_dir}/{run}"
-    for path in paths:
-        for event in tf.compat.v1.train.summary_iterator(path):
-            for value in event.summary.value:
-                scalars.setdefault(value.tag, []).append(
-                    (event.step, float(tf.make_ndarray(value.tensor))))
-    return scalars
 
 
 class BatchLogs(keras.callbacks.Callback):
@@ -84,30 +70,12 @@ def test_records_events_and_history_agree(tmp_path, capsys):
     history, batch_logs, _ = small_fit(mirrored(2), log_dir, update_freq=3)
     records = read_jsonl(log_dir)
 
-    for record in records:
-        assert tuple(record) == JSONL_KEYS
-    windows = [r for r in records if r["kind"] == "window"]
-    epochs = [r for r in records if r["kind"] == "epoch"]
-    # 7 batches per epoch: windows of 3, 3 and 1, then the epoch record.
-    assert [r["kind"] for r in records] == (
-        ["window"] * 3 + ["epoch"]) * 2
-    assert [r["steps"] for r in windows] == [3, 3, 1] * 2
-    assert [r["step"] for r in windows] == [3, 6, 7, 10, 13, 14]
-    assert [r["examples"] for r in windows] == [48.0, 48.0, 4.0] * 2
-    assert [r["examples"] for r in epochs] == [100.0, 100.0]
+    windows, epochs = check_reference_records(records)
     for r in records:
-        assert r["examples_per_sec"] == pytest.approx(
-            r["examples"] / r["seconds"], rel=1e-9)
-        assert r["examples_per_sec_per_replica"] == pytest.approx(
-            r["examples_per_sec"] / 2, rel=1e-9)
         assert r["step_time_mean"] == pytest.approx(r["seconds"] / r["steps"])
         assert 0 < r["step_time_max"] <= r["seconds"]
-        assert (r["workers"], r["replicas"], r["slowest_worker"]) == (1, 2, 0)
         assert r["worker_step_time"]["max"] == pytest.approx(
             r["step_time_mean"])
-        assert r["learning_rate"] == pytest.approx(0.01)
-        assert r["memory"] == {}  # CPU only: no GPU figures, no error
-        assert r["loss_scale"] is None and r["skipped_steps"] is None
     # The windows lie inside the epoch, whose wall time also holds the
     # logger's own writes between windows (how much is load, not a test).
     assert 0 < sum(r["seconds"] for r in windows[:3]) <= epochs[0]["seconds"]
@@ -124,40 +92,7 @@ def test_records_events_and_history_agree(tmp_path, capsys):
         np.testing.assert_allclose([r["metrics"][key] for r in epochs],
                                    history.history[key], rtol=1e-6)
 
-    # Keras TensorBoard's layout: train and validation runs, one tag each
-    # for a metric, so the two curves overlay.
-    scalars = read_scalars(log_dir)
-    validation = read_scalars(log_dir, "validation")
-    assert sorted(os.listdir(log_dir)) == ["metrics.jsonl", "train",
-                                           "validation"]
-    grouped = [f"{group}/{kind}_{name}" for kind in ("batch", "epoch")
-               for group, name in [
-                   ("throughput", "examples_per_sec"),
-                   ("throughput", "examples_per_sec_per_replica"),
-                   ("throughput", "step_time_mean"),
-                   ("throughput", "step_time_max"),
-                   ("input", "wait")]]
-    # Nothing that does not apply (loss scale, accumulation, workers, GPU
-    # memory) and no constants (replicas).
-    assert sorted(scalars) == sorted([
-        "batch_loss", "batch_mae", "batch_steps_per_second",
-        "epoch_loss", "epoch_mae", "epoch_learning_rate",
-        "epoch_steps_per_second", *grouped])
-    assert sorted(validation) == [
-        "epoch_loss", "epoch_mae", "evaluation_loss_vs_iterations",
-        "evaluation_mae_vs_iterations"]
-    assert scalars["batch_loss"] == [
-        (r["step"], pytest.approx(r["metrics"]["loss"])) for r in windows]
-    for key in ("loss", "mae"):
-        assert scalars[f"epoch_{key}"] == [
-            (i, pytest.approx(v))
-            for i, v in enumerate(history.history[key])]
-        assert validation[f"epoch_{key}"] == [
-            (i, pytest.approx(v))
-            for i, v in enumerate(history.history[f"val_{key}"])]
-        assert validation[f"evaluation_{key}_vs_iterations"] == [
-            (r["step"], pytest.approx(r["metrics"][f"val_{key}"]))
-            for r in epochs]
+    scalars = check_tensorboard_layout(log_dir, history, windows, epochs)
     assert scalars["epoch_learning_rate"] == [
         (i, pytest.approx(0.01)) for i in range(2)]
     assert scalars["throughput/batch_examples_per_sec"] == [
@@ -989,35 +924,6 @@ def test_a_gradient_tape_loop_logs_the_losses_it_gives_as_tensorboard_does(
     assert [s for s, _ in ours_loss] == [2, 4, 6, 8]
     assert ours_loss == [(s, pytest.approx(stock_loss[s], rel=1e-6))
                          for s in (2, 4, 6, 8)]
-
-
-def test_train_on_batch_in_a_callback_list_counts_every_batch(tmp_path):
-    """`train_on_batch` resets Keras's loss tracker at each call (Keras
-    3.15; older releases let it run on): the logger counts each batch's
-    samples (8, 8 and 4) either way and logs the values the loop gives."""
-    log_dir = str(tmp_path / "logs")
-    x, y = workers.regression_data(20)
-    model = workers.build_mlp()
-    model.compile("sgd", "mse")
-    callbacks = keras.callbacks.CallbackList(
-        [DistributedLogger(log_dir, update_freq=1, console=False)],
-        model=model)
-    given = []
-    callbacks.on_train_begin()
-    callbacks.on_epoch_begin(0)
-    for batch, (start, stop) in enumerate([(0, 8), (8, 16), (16, 20)]):
-        callbacks.on_train_batch_begin(batch)
-        logs = model.train_on_batch(x[start:stop], y[start:stop],
-                                    return_dict=True)
-        given.append(float(logs["loss"]))  # a NumPy array on Keras 3.10
-        callbacks.on_train_batch_end(batch, logs)
-    callbacks.on_epoch_end(0, logs)
-    callbacks.on_train_end()
-    records = read_jsonl(log_dir)
-    assert [(r["kind"], r["step"], r["examples"]) for r in records] == [
-        ("window", 1, 8.0), ("window", 2, 8.0), ("window", 3, 4.0),
-        ("epoch", 3, 20.0)]
-    assert [r["metrics"]["loss"] for r in records[:3]] == pytest.approx(given)
 
 
 # --- One writer per log_dir -------------------------------------------------

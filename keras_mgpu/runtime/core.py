@@ -277,7 +277,53 @@ class TrainingRuntime(_backend.TrainFunctionWrapper, _backend.ResumeSkipping,
         return bool(self._epoch_steps) and (
             self._batch_begin + self._steps_per_call >= self._epoch_steps)
 
+    @property
+    def input_timed(self) -> bool:
+        """Whether the batch in progress has its input wait timed."""
+        return (self._timing_asked and self._wrapper is not None
+                and not self._runs_keras_step and self.batch_trains)
+
     # --- helpers -------------------------------------------------------------
+
+    # What each backend's train-function wrapper shares: finding Keras's
+    # function, putting it back, and telling the runtime of a call.
+
+    def _train_function_to_wrap(self):
+        """Keras's train function, to wrap now (unwrapped, where another
+        callback put ours back in meanwhile); None where the wrapper is in
+        place or there is no function yet."""
+        current = getattr(self.model, "train_function", None)
+        if current is None or current is self._wrapper:
+            return None
+        return getattr(current, "keras_mgpu_inner", current)
+
+    def _put_back_train_function(self) -> None:
+        model = self.model
+        if self._wrapper is not None and getattr(
+                model, "train_function", None) is self._wrapper:
+            model.train_function = self._inner
+        self._wrapper = None
+
+    def _account(self, read: int, trained: int) -> None:
+        """The call in progress read `read` batches of the epoch and trained
+        `trained` of them."""
+        self.global_step = self._steps_before_batch + trained
+        self.epoch_step = self._batch_begin + read
+        self.batch_trains = trained > 0
+        self._stream_read += read
+
+    def _read_from(self, iterator) -> None:
+        """Notes the data iterator of this call: a new one, or the one an
+        earlier epoch read (Keras with `steps_per_epoch`)."""
+        if not self._first_call:
+            return
+        self._first_call = False
+        if iterator is self._stream:
+            self._stream_base = self._next_stream_base
+            self._keras_base = self._next_keras_base
+        else:
+            self._stream = iterator
+            self._stream_read = self._stream_base = self._keras_base = 0
 
     def _once(self, event) -> bool:
         if event == self._event:

@@ -25,13 +25,6 @@ from keras_mgpu.runtime import training_runtime
 FEATURES = 6
 
 
-@pytest.fixture
-def data_parallel():
-    distribution = keras.distribution.DataParallel(devices=jax.devices()[:2])
-    with distribution.scope():
-        yield distribution
-
-
 def mlp(batch_norm=False):
     keras.utils.set_random_seed(3)
     layers = [keras.Input((FEATURES,)), keras.layers.Dense(16, activation="tanh")]

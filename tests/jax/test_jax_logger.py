@@ -6,27 +6,18 @@ and input wait timed on the host."""
 import json
 import os
 
-import jax
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
-import keras_mgpu
 from keras_mgpu import GradientAccumulationModel
 from keras_mgpu.callbacks import DistributedLogger
-from keras_mgpu.callbacks.distributed_logger import JSONL_KEYS
 from keras_mgpu.mixed_precision import LossScaleMonitor
 from keras_mgpu.runtime import RuntimeCallback, training_runtime
+from tests.logger_checks import (check_reference_records,
+                                 check_tensorboard_layout, read_scalars)
 
 FEATURES = 6
-
-
-@pytest.fixture
-def data_parallel():
-    distribution = keras.distribution.DataParallel(devices=jax.devices()[:2])
-    with distribution.scope():
-        yield distribution
 
 
 def regression_data(num_samples, seed=0):
@@ -47,21 +38,6 @@ def mlp():
 def read_jsonl(log_dir):
     with open(os.path.join(log_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
-
-
-def read_scalars(log_dir, run="train"):
-    """{tag: [(step, value), ...]} from the TensorBoard events of one run,
-    as tests/test_distributed_logger.py reads them on TensorFlow."""
-    scalars = {}
-    paths = tf.io.gfile.glob(
-        tf.io.gfile.join(log_dir, run, "events.out.tfevents.*"))
-    assert paths, f"no events file under {log_dir}/{run}"
-    for path in paths:
-        for event in tf.compat.v1.train.summary_iterator(path):
-            for value in event.summary.value:
-                scalars.setdefault(value.tag, []).append(
-                    (event.step, float(tf.make_ndarray(value.tensor))))
-    return scalars
 
 
 class EpochCounters(RuntimeCallback):
@@ -103,25 +79,8 @@ def test_records_events_and_history_agree(data_parallel, tmp_path, capsys):
         callbacks=[DistributedLogger(log_dir, update_freq=3), batch_logs])
     records = read_jsonl(log_dir)
 
-    for record in records:
-        assert tuple(record) == JSONL_KEYS
-    windows = [r for r in records if r["kind"] == "window"]
-    epochs = [r for r in records if r["kind"] == "epoch"]
-    # 7 batches per epoch: windows of 3, 3 and 1, then the epoch record.
-    assert [r["kind"] for r in records] == (["window"] * 3 + ["epoch"]) * 2
-    assert [r["steps"] for r in windows] == [3, 3, 1] * 2
-    assert [r["step"] for r in windows] == [3, 6, 7, 10, 13, 14]
-    assert [r["examples"] for r in windows] == [48.0, 48.0, 4.0] * 2
-    assert [r["examples"] for r in epochs] == [100.0, 100.0]
+    windows, epochs = check_reference_records(records)
     for r in records:
-        assert r["examples_per_sec"] == pytest.approx(
-            r["examples"] / r["seconds"], rel=1e-9)
-        assert r["examples_per_sec_per_replica"] == pytest.approx(
-            r["examples_per_sec"] / 2, rel=1e-9)
-        assert (r["workers"], r["replicas"], r["slowest_worker"]) == (1, 2, 0)
-        assert r["learning_rate"] == pytest.approx(0.01)
-        assert r["memory"] == {}
-        assert r["loss_scale"] is None and r["skipped_steps"] is None
         assert r["input_wait"] is not None and r["input_wait"] >= 0
         assert r["input_bound"] in ("no", "moderately", "highly")
     # Window metrics are the values Keras logs at that batch; epoch metrics
@@ -136,33 +95,8 @@ def test_records_events_and_history_agree(data_parallel, tmp_path, capsys):
                                    history.history[key], rtol=1e-6)
 
     # TensorBoard, read back from the event files: Keras TensorBoard's
-    # layout, the telemetry in its groups.
-    scalars = read_scalars(log_dir)
-    validation = read_scalars(log_dir, "validation")
-    assert sorted(os.listdir(log_dir)) == ["metrics.jsonl", "train",
-                                           "validation"]
-    grouped = [f"{group}/{kind}_{name}" for kind in ("batch", "epoch")
-               for group, name in [
-                   ("throughput", "examples_per_sec"),
-                   ("throughput", "examples_per_sec_per_replica"),
-                   ("throughput", "step_time_mean"),
-                   ("throughput", "step_time_max"),
-                   ("input", "wait")]]
-    assert sorted(scalars) == sorted([
-        "batch_loss", "batch_mae", "batch_steps_per_second",
-        "epoch_loss", "epoch_mae", "epoch_learning_rate",
-        "epoch_steps_per_second", *grouped])
-    assert sorted(validation) == [
-        "epoch_loss", "epoch_mae", "evaluation_loss_vs_iterations",
-        "evaluation_mae_vs_iterations"]
-    for key in ("loss", "mae"):
-        assert scalars[f"epoch_{key}"] == [
-            (i, pytest.approx(v)) for i, v in enumerate(history.history[key])]
-        assert validation[f"epoch_{key}"] == [
-            (i, pytest.approx(v))
-            for i, v in enumerate(history.history[f"val_{key}"])]
-    assert scalars["batch_loss"] == [
-        (r["step"], pytest.approx(r["metrics"]["loss"])) for r in windows]
+    # layout, the telemetry in its groups, as on TensorFlow.
+    scalars = check_tensorboard_layout(log_dir, history, windows, epochs)
     assert scalars["input/epoch_wait"] == [
         (r["epoch"], pytest.approx(r["input_wait"])) for r in epochs]
 
@@ -293,33 +227,6 @@ def test_batches_between_records_leave_the_train_state_on_the_devices(
                                            console=False), synced])
     # Batch 0: the epoch's start; 3 and 6: a window closed there.
     assert synced.synced == [True, False, False, True, False, False, True]
-
-
-def test_train_on_batch_in_a_callback_list_counts_every_batch(data_parallel,
-                                                              tmp_path):
-    log_dir = str(tmp_path / "logs")
-    x, y = regression_data(20)
-    model = mlp()
-    model.compile("sgd", "mse")
-    callbacks = keras.callbacks.CallbackList(
-        [DistributedLogger(log_dir, update_freq=1, console=False)],
-        model=model)
-    given = []
-    callbacks.on_train_begin()
-    callbacks.on_epoch_begin(0)
-    for batch, (start, stop) in enumerate([(0, 8), (8, 16), (16, 20)]):
-        callbacks.on_train_batch_begin(batch)
-        logs = model.train_on_batch(x[start:stop], y[start:stop],
-                                    return_dict=True)
-        given.append(float(logs["loss"]))
-        callbacks.on_train_batch_end(batch, logs)
-    callbacks.on_epoch_end(0, logs)
-    callbacks.on_train_end()
-    records = read_jsonl(log_dir)
-    assert [(r["kind"], r["step"], r["examples"]) for r in records] == [
-        ("window", 1, 8.0), ("window", 2, 8.0), ("window", 3, 4.0),
-        ("epoch", 3, 20.0)]
-    assert [r["metrics"]["loss"] for r in records[:3]] == pytest.approx(given)
 
 
 def test_input_wait_is_timed_when_run_eagerly(data_parallel, tmp_path):

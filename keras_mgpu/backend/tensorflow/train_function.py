@@ -26,10 +26,9 @@ class TrainFunctionWrapper:
         """Puts the wrapper in place of `model.train_function` (again, if
         another callback swapped it since)."""
         model = self.model
-        current = getattr(model, "train_function", None)
-        if current is None or current is self._wrapper:
+        inner = self._train_function_to_wrap()
+        if inner is None:
             return
-        inner = getattr(current, "keras_mgpu_inner", current)
         self._inner = inner
         # The twin that fetches as `inner` does but also counts the batches
         # (and times the fetches, if asked): a call of several steps may
@@ -127,45 +126,13 @@ class TrainFunctionWrapper:
         logs = self._scoped(step, batches())
         return logs, count[0]
 
-    def _account(self, read: int, trained: int) -> None:
-        """The call in progress read `read` batches of the epoch and trained
-        `trained` of them."""
-        self.global_step = self._steps_before_batch + trained
-        self.epoch_step = self._batch_begin + read
-        self.batch_trains = trained > 0
-        self._stream_read += read
-
-    def _read_from(self, iterator) -> None:
-        """Notes the data iterator of this call: a new one, or the one an
-        earlier epoch read (Keras with `steps_per_epoch`)."""
-        if not self._first_call:
-            return
-        self._first_call = False
-        if iterator is self._stream:
-            self._stream_base = self._next_stream_base
-            self._keras_base = self._next_keras_base
-        else:
-            self._stream = iterator
-            self._stream_read = self._stream_base = self._keras_base = 0
-
-    @property
-    def input_timed(self) -> bool:
-        """Whether the batch in progress has its input wait timed."""
-        return (self._timing_asked and self._wrapper is not None
-                and not self._runs_keras_step and self.batch_trains)
-
     def _uninstall(self) -> None:
-        model = self.model
-        if self._wrapper is not None and getattr(
-                model, "train_function", None) is self._wrapper:
-            model.train_function = self._inner
-        self._wrapper = None
+        self._put_back_train_function()
         # Keep the twin of the function a next `fit` will call, not those of
         # functions Keras has dropped (a recompile makes a new one).
-        current = getattr(model, "train_function", None)
+        current = getattr(self.model, "train_function", None)
         self._twins = {key: entry for key, entry in self._twins.items()
                        if entry[0] is current}
-
 
     # --- the backend's hooks ----------------------------------------------
 
