@@ -1,5 +1,7 @@
-"""DistributedLogger on the active Keras backend, 2 replicas, where no
-`fit` drives it: a hand-written loop of `train_on_batch` calls."""
+"""DistributedLogger on the active Keras backend where no `fit` drives
+it: a hand-written loop of `train_on_batch` calls, on one device (under
+MirroredStrategy, Keras's TensorFlow `train_on_batch` hands each replica
+the whole batch, and its loss tracker counts it once per replica)."""
 
 import json
 import os
@@ -11,8 +13,7 @@ import pytest
 from keras_mgpu.callbacks import DistributedLogger
 
 
-def test_train_on_batch_in_a_callback_list_counts_every_batch(two_replicas,
-                                                              tmp_path):
+def test_train_on_batch_in_a_callback_list_counts_every_batch(tmp_path):
     """`train_on_batch` resets Keras's loss tracker at each call (Keras
     3.15; older releases let it run on): the logger counts each batch's
     samples (8, 8 and 4) either way and logs the values the loop gives."""
@@ -20,25 +21,24 @@ def test_train_on_batch_in_a_callback_list_counts_every_batch(two_replicas,
     rng = np.random.default_rng(0)
     x = rng.normal(size=(20, 6)).astype("float32")
     y = rng.normal(size=(20, 1)).astype("float32")
-    with two_replicas():
-        keras.utils.set_random_seed(1)
-        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8),
-                                  keras.layers.Dense(1)])
-        model.compile("sgd", "mse")
-        callbacks = keras.callbacks.CallbackList(
-            [DistributedLogger(log_dir, update_freq=1, console=False)],
-            model=model)
-        given = []
-        callbacks.on_train_begin()
-        callbacks.on_epoch_begin(0)
-        for batch, (start, stop) in enumerate([(0, 8), (8, 16), (16, 20)]):
-            callbacks.on_train_batch_begin(batch)
-            logs = model.train_on_batch(x[start:stop], y[start:stop],
-                                        return_dict=True)
-            given.append(float(logs["loss"]))  # a NumPy array on Keras 3.10
-            callbacks.on_train_batch_end(batch, logs)
-        callbacks.on_epoch_end(0, logs)
-        callbacks.on_train_end()
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8),
+                              keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    callbacks = keras.callbacks.CallbackList(
+        [DistributedLogger(log_dir, update_freq=1, console=False)],
+        model=model)
+    given = []
+    callbacks.on_train_begin()
+    callbacks.on_epoch_begin(0)
+    for batch, (start, stop) in enumerate([(0, 8), (8, 16), (16, 20)]):
+        callbacks.on_train_batch_begin(batch)
+        logs = model.train_on_batch(x[start:stop], y[start:stop],
+                                    return_dict=True)
+        given.append(float(logs["loss"]))  # a NumPy array on Keras 3.10
+        callbacks.on_train_batch_end(batch, logs)
+    callbacks.on_epoch_end(0, logs)
+    callbacks.on_train_end()
     with open(os.path.join(log_dir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
     assert [(r["kind"], r["step"], r["examples"]) for r in records] == [
