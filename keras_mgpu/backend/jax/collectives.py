@@ -14,7 +14,8 @@ def gather_rows(distribution, row: np.ndarray, num_workers: int) -> np.ndarray:
     row = np.asarray(row, np.float64).reshape(-1)
     if num_workers == 1:
         return row[None]
-    # float64 needs jax_enable_x64; two float32 halves carry it exactly.
+    # float64 needs jax_enable_x64; a float32 and its float32 remainder
+    # carry about 48 of its 53 bits (relative error below 1e-14).
     high = row.astype(np.float32)
     low = (row - high.astype(np.float64)).astype(np.float32)
     gathered = np.asarray(multihost_utils.process_allgather(
