@@ -288,14 +288,24 @@ class TrainingRuntime(_backend.TrainFunctionWrapper, _backend.ResumeSkipping,
     # What each backend's train-function wrapper shares: finding Keras's
     # function, putting it back, and telling the runtime of a call.
 
-    def _train_function_to_wrap(self):
+    def _take_train_function(self):
         """Keras's train function, to wrap now (unwrapped, where another
-        callback put ours back in meanwhile); None where the wrapper is in
-        place or there is no function yet."""
+        callback put ours back in meanwhile), kept to be put back; None
+        where the wrapper is in place or there is no function yet."""
         current = getattr(self.model, "train_function", None)
         if current is None or current is self._wrapper:
             return None
-        return getattr(current, "keras_mgpu_inner", current)
+        self._inner = getattr(current, "keras_mgpu_inner", current)
+        return self._inner
+
+    def _scoped(self, function, *args):
+        """`function(*args)` inside the step scope a caller set with
+        `scope_steps`, if any."""
+        scope = self._step_scope
+        if scope is None:
+            return function(*args)
+        with scope():
+            return function(*args)
 
     def _put_back_train_function(self) -> None:
         model = self.model

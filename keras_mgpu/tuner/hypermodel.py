@@ -216,8 +216,9 @@ class StrategyAwareHyperModel(keras_tuner.HyperModel):
         self.backup = backup
         self._executions = {}
         self._warned_rate = False
-        # KerasTuner clears Keras's session before each trial, which drops a
-        # `keras.distribution` setting: each trial sets it again.
+        # `keras.backend.clear_session()`, which KerasTuner calls before
+        # each trial, drops a `keras.distribution` setting: each trial's
+        # build and fit set it again.
         self._distribution = strategy_lib.current()
         # Every process of a search builds its hypermodel, the chief too.
         compat.enable_tuner_state_fix()

@@ -32,6 +32,7 @@ import numpy as np
 
 from keras_mgpu import compat
 
+
 class TrainFunctionWrapper:
     """`TrainingRuntime`'s wrapper of the model's train function on JAX."""
 
@@ -41,10 +42,9 @@ class TrainFunctionWrapper:
         """Puts the wrapper in place of `model.train_function` (again, if
         another callback swapped it since)."""
         model = self.model
-        inner = self._train_function_to_wrap()
+        inner = self._take_train_function()
         if inner is None:
             return
-        self._inner = inner
         wait = self.input_wait_variable if self._timing_asked else None
         # Every call is counted; its fetches are timed where asked.
         self._runs_keras_step = wait is None
@@ -63,13 +63,6 @@ class TrainFunctionWrapper:
 
         train_function.keras_mgpu_inner = inner
         self._wrapper = model.train_function = train_function
-
-    def _scoped(self, function, state, iterator):
-        scope = self._step_scope
-        if scope is None:
-            return function(state, iterator)
-        with scope():
-            return function(state, iterator)
 
     def _uninstall(self) -> None:
         self._put_back_train_function()
@@ -120,7 +113,6 @@ class TrainFunctionWrapper:
         are TensorFlow's: nothing is compiled here)."""
         self._sync_state()
         return cached, read(_host_value)
-
 
     @staticmethod
     def local_gpus() -> int:

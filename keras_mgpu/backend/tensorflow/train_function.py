@@ -26,10 +26,9 @@ class TrainFunctionWrapper:
         """Puts the wrapper in place of `model.train_function` (again, if
         another callback swapped it since)."""
         model = self.model
-        inner = self._train_function_to_wrap()
+        inner = self._take_train_function()
         if inner is None:
             return
-        self._inner = inner
         # The twin that fetches as `inner` does but also counts the batches
         # (and times the fetches, if asked): a call of several steps may
         # hold fewer batches than `steps_per_execution` where the data ends.
@@ -70,13 +69,6 @@ class TrainFunctionWrapper:
                 batches_read=self._batches_read))
             self._twins[key] = cached
         return cached[1]
-
-    def _scoped(self, function, iterator):
-        scope = self._step_scope
-        if scope is None:
-            return function(iterator)
-        with scope():
-            return function(iterator)
 
     def _train(self, iterator, step, twin):
         """One call of the train function; (logs, batches it trained)."""
