@@ -21,8 +21,10 @@ def regression_data(num_samples=NUM_SAMPLES, seed=0):
 def initial_weights(model, seed=1):
     """Deterministic weights, independent of strategy and creation order."""
     rng = np.random.RandomState(seed)
+    # The variables' shapes, not their values: a variable split over
+    # several processes has no value any one of them can read.
     return [0.3 * rng.randn(*w.shape).astype("float32")
-            for w in model.get_weights()]
+            for w in model.weights]
 
 
 def build_mlp():

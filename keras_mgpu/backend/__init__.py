@@ -11,15 +11,15 @@ the rest of keras-mgpu reaches it only through these names:
 - `gather_rows(strategy, row, num_workers)` and
   `sum_over_workers(strategy, value, num_workers)`: host values from every
   worker, for the logger's cross-worker figures and the backup's agreement;
-- `TrainFunctionWrapper` and `ResumeSkipping`: the halves of
-  `keras_mgpu.runtime.TrainingRuntime` that replace `model.train_function`
-  (counting and timing what each call reads) and skip what a resumed run
-  already trained on. They are mixins of the runtime and keep their state
-  on it (`keras_mgpu/runtime/core.py` lists it). The wrapper also answers
-  the runtime's backend hooks: `_check_support()`,
-  `_check_callback(callback)`, `_new_input_wait()`, `_sync_state()`,
-  `read_device(read, cached, key, compiled)`, `local_gpus()`,
-  `gpu_memory(num_gpus, reset)`.
+- `TrainFunctionWrapper`: the half of `keras_mgpu.runtime.TrainingRuntime`
+  that replaces `model.train_function` (counting and timing what each call
+  reads, and handing a resumed run's first calls to the runtime's
+  skipping). It is a mixin of the runtime and keeps its state on it
+  (`keras_mgpu/runtime/core.py` lists it). It also answers the runtime's
+  backend hooks: `_check_support()`, `_new_input_wait()`, `_sync_state()`,
+  `_next_batch(iterator)`, `_batch_samples(element)`,
+  `read_device(read, cached, key, compiled)`, `host_array(value)`,
+  `local_gpus()`, `gpu_memory(num_gpus, reset)`.
 
 `tensorflow/` serves `tf.distribute`, `jax/` `keras.distribution`; another
 backend is a package next to them providing the same names, and its entry

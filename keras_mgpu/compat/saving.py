@@ -7,7 +7,7 @@ in between.
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -37,19 +37,45 @@ class WeightsLayout:
         self._saveables = saveables
         self._store_class = store_class
 
-    def read(self, into: Optional[list] = None) -> list:
+    def read(self, into: Optional[list] = None,
+             to_host: Callable = np.asarray) -> list:
         """`[(path, metadata, [(key, array), ...])]`, for `weights_file`.
 
         `into`: an earlier `read()` whose arrays are no longer used: the
         values are copied into them (no new host memory to allocate and
         fault in, which costs more than the copy for large models).
+        `to_host`: a value in host memory, from a variable (the backend's:
+        on JAX it gathers shards other processes hold).
         """
         buffers = None if into is None else (
             array for _, _, values in into for _, array in values)
-        store = self._store_class(buffers=buffers)
+        store = self._store_class(buffers=buffers, to_host=to_host)
         for path, metadata, saveable in self._saveables:
-            saveable.save_own_variables(store.make(path, metadata=metadata))
+            entry = store.make(path, metadata=metadata)
+            if _saves_through_numpy(saveable):
+                # The same entries, the variables given to `to_host`.
+                for i, variable in enumerate(saveable.variables):
+                    entry[str(i)] = variable
+            else:
+                saveable.save_own_variables(entry)
         return store.entries
+
+
+def _saves_through_numpy(saveable) -> bool:
+    """Whether `saveable` saves with Keras's optimizer's own method, which
+    stores `variable.numpy()` of each of its variables (upstream:
+    keras/src/optimizers/base_optimizer.py, `save_own_variables`): on JAX
+    that cannot read a variable split over devices of other processes.
+    Remove when that method stores the variables, as layers' does."""
+    import keras
+
+    own = getattr(type(saveable), "save_own_variables", None)
+    return own is not None and (
+        own is keras.optimizers.Optimizer.save_own_variables)
+
+
+def _no_values(store) -> None:
+    pass
 
 
 def _saving_lib():
@@ -96,9 +122,18 @@ def weights_layout(model) -> WeightsLayout:
     # same walk, `_saveables_of`), without looking into Keras's frames.
     visits = _Visits()
     finder = store_class(visits=visits)
-    save_state(model, weights_store=finder, assets_store=None, inner_path="",
-               visited_saveables=visits)
     objects = _saveables_of(model)
+    # Only the paths are wanted: no optimizer reads its variables (which
+    # on JAX fails for one split over several processes).
+    quiet = [o for o in objects.values() if _saves_through_numpy(o)]
+    for saveable in quiet:
+        saveable.save_own_variables = _no_values
+    try:
+        save_state(model, weights_store=finder, assets_store=None,
+                   inner_path="", visited_saveables=visits)
+    finally:
+        for saveable in quiet:
+            del saveable.save_own_variables
     if len(visits.made) != len(finder.entries):
         raise _internals_error(
             f"`{_SAVING_LIB}._save_state` marking each saveable visited "
@@ -205,9 +240,10 @@ def load_weights_file(model, data: bytes) -> None:
 def _recording_store_class(h5_store):
     # A subclass: Keras's walk accepts only its own store types.
     class _RecordingStore(h5_store):
-        def __init__(self, visits=None, buffers=None):
+        def __init__(self, visits=None, buffers=None, to_host=np.asarray):
             # No file is set up: nothing of the parent's state is used.
             self.entries = []
+            self._to_host = to_host
             self._visits = visits
             self._values = None
             self._buffers = iter(buffers or ())
@@ -230,7 +266,7 @@ def _recording_store_class(h5_store):
             # into the earlier read's array where there is one: memory in
             # use already, where a new array per save is faulted in page
             # by page.
-            source = np.asarray(value)
+            source = self._to_host(value)
             buffer = next(self._buffers, None)
             if (buffer is not None and buffer.shape == source.shape
                     and buffer.dtype == source.dtype):

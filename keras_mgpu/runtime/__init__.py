@@ -5,9 +5,9 @@ counters.
 the hooks callbacks call); `counters` its counters (`RunCounters`,
 `ResumeEvent`, the reads and the `state()`/`resume()` a backup carries);
 `callback` the base of keras-mgpu's callbacks (`RuntimeCallback`), which
-tells the runtime each of Keras's training hooks.
-The wrapper of `model.train_function` and the skipping of what a resumed
-run already trained are the backend's (`keras_mgpu.backend`).
+tells the runtime each of Keras's training hooks; `skipping` the batches a
+resumed run reads without training on them. The wrapper of
+`model.train_function` is the backend's (`keras_mgpu.backend`).
 """
 
 from keras_mgpu.runtime.callback import RuntimeCallback  # noqa: F401

@@ -33,11 +33,6 @@ class RuntimeCallback(keras.callbacks.Callback):
     8
     """
 
-    # Whether the callback resumes a run from saved state, which a backend
-    # whose runtime cannot resume yet refuses before training (as Keras's
-    # `_supports_tf_logs`, a class attribute for subclasses to set).
-    _needs_resume = False
-
     def __init__(self):
         super().__init__()
         self._trained = None

@@ -25,10 +25,10 @@ import keras
 
 from keras_mgpu import backend, compat
 from keras_mgpu.runtime.counters import _RuntimeCounters
+from keras_mgpu.runtime.skipping import ResumeSkipping
 
-# The backend's halves of the runtime: the train-function wrapper (with
-# the runtime's backend hooks) and the resume's skipping
-# (keras_mgpu/backend/__init__.py).
+# The backend's half of the runtime: the train-function wrapper, with the
+# runtime's backend hooks (keras_mgpu/backend/__init__.py).
 _backend = backend.active()
 # Before any callback is made: `model.fit(x, callbacks=[...])` looks `fit`
 # up before it makes them.
@@ -62,7 +62,7 @@ def training_runtime(model) -> "TrainingRuntime":
     return runtime
 
 
-class TrainingRuntime(_backend.TrainFunctionWrapper, _backend.ResumeSkipping,
+class TrainingRuntime(_backend.TrainFunctionWrapper, ResumeSkipping,
                       _RuntimeCounters):
     """One model's training runtime: the train-function wrapper and counters.
 
@@ -161,9 +161,6 @@ class TrainingRuntime(_backend.TrainFunctionWrapper, _backend.ResumeSkipping,
 
     def train_begin(self, callback) -> None:
         """Starts a `fit` (or a hand-driven callback loop)."""
-        # Every callback, not only the first of a fit: one this backend
-        # cannot run is refused before anything trains.
-        self._check_callback(callback)
         params = callback.params
         if self._in_fit and (not params or params is self._fit_params):
             return
@@ -269,6 +266,12 @@ class TrainingRuntime(_backend.TrainFunctionWrapper, _backend.ResumeSkipping,
         self._step_scope = scope
 
     # --- reading ------------------------------------------------------------
+
+    def sync_variables(self) -> None:
+        """Puts the train state into the model's variables, before a read
+        of them: Keras's JAX `fit` trains on a state it keeps outside them
+        (a no-op on TensorFlow, and where they hold it already)."""
+        self._sync_state()
 
     @property
     def last_call_of_epoch(self) -> bool:

@@ -19,8 +19,6 @@ import tensorflow as tf
 import keras_mgpu
 from keras_mgpu import GradientAccumulationModel
 from keras_mgpu import tuner as mgpu_tuner
-from keras_mgpu.callbacks import BackupAndRestore, DistributedLogger
-from keras_mgpu.runtime import training_runtime
 
 FEATURES = 6
 
@@ -132,24 +130,6 @@ def test_the_tuner_scales_batch_and_learning_rate(data_parallel, tmp_path):
     assert metric("effective/learning_rate") == pytest.approx(
         4 * trial.hyperparameters.get("learning_rate"), rel=1e-5)
     assert math.isfinite(metric("loss"))
-
-
-def test_the_backup_says_it_is_not_built_on_jax(data_parallel, tmp_path):
-    model = mlp()
-    model.compile("sgd", "mse")
-    before = [w.copy() for w in model.get_weights()]
-    backup = BackupAndRestore(str(tmp_path / "backup"))
-    for callbacks in ([backup], [DistributedLogger(
-            str(tmp_path / "logs"), console=False), backup]):
-        with pytest.raises(NotImplementedError,
-                           match="BackupAndRestore .* JAX backend yet"):
-            model.fit(np.ones((8, FEATURES)), np.ones((8, 1)), batch_size=4,
-                      verbose=0, callbacks=callbacks)
-        for a, b in zip(before, model.get_weights()):
-            np.testing.assert_array_equal(a, b)
-    with pytest.raises(NotImplementedError, match="does not resume"):
-        training_runtime(model).resume({}, generation=1, epoch=0,
-                                       step_in_epoch=0)
 
 
 def _refused(model_class_attr, replacement, monkeypatch):

@@ -17,8 +17,10 @@ model's variables (Keras purges them); the runtime puts it back
 values eagerly. GPU memory comes from JAX's allocator (`memory_stats()`),
 whose peak cannot be reset.
 
-Not ported: resuming (the backup's `resume()`), so `BackupAndRestore` is
-refused before training.
+A resumed run's first calls go to the runtime's skipping
+(`keras_mgpu/runtime/skipping.py`), which reads the batches the interrupted
+run trained on and hands the rest of the call to Keras's function; a call
+that trained nothing returns the state it was given.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from typing import Callable, Optional
 import jax
 import keras
 import numpy as np
+from jax.experimental import multihost_utils
+from keras import tree
 
 from keras_mgpu import compat
 
@@ -51,6 +55,16 @@ class TrainFunctionWrapper:
 
         def train_function(state, iterator):
             self._read_from(iterator)
+            if self._skip is not None:
+                result, read, trained = self._skip_then_train(
+                    iterator,
+                    lambda batches: self._scoped(inner, state, batches))
+                if read:
+                    self._account(read, trained)
+                    # Nothing trained: the state goes on as it came.
+                    return ({}, state) if result is None else result
+                # Only batches of earlier epochs were skipped: the call
+                # trains as any other.
             fetches = _Fetches(iterator, wait)
             try:
                 logs, state = self._scoped(inner, state, fetches)
@@ -82,22 +96,34 @@ class TrainFunctionWrapper:
             compat.epoch_iterator_count(epoch_iterator)
             compat.epoch_iterator_reads_on(epoch_iterator, None)
 
-    def _check_callback(self, callback) -> None:
-        # A callback that resumes runs (BackupAndRestore) needs the
-        # resume's skipping, not written for JAX yet.
-        if getattr(callback, "_needs_resume", False):
-            raise NotImplementedError(
-                f"keras-mgpu's {type(callback).__name__} does not run on "
-                "Keras's JAX backend yet (its snapshots and resuming "
-                "mid-epoch). Train with KERAS_BACKEND=tensorflow to use it, "
-                "or use Keras's own keras.callbacks.BackupAndRestore on "
-                "JAX; DistributedLogger, LossScaleMonitor, "
-                "GradientAccumulationModel, FP32OutputHead and the "
-                "distribution facts run on JAX.")
-
     @staticmethod
     def _new_input_wait():
         return _HostSeconds()
+
+    @staticmethod
+    def _next_batch(iterator):
+        """The next batch; StopIteration at the end of the data."""
+        return next(iterator)
+
+    @staticmethod
+    def _batch_samples(element) -> int:
+        """Samples in one batch `element` over every process: Keras's JAX
+        trainer hands the step global arrays (each process's rows placed
+        on its devices along the batch axis)."""
+        return int(tree.flatten(element)[0].shape[0])
+
+    @staticmethod
+    def host_array(value) -> np.ndarray:
+        """A variable's or array's value in host memory, whole: an array
+        sharded over devices of other processes (`ModelParallel` across
+        hosts) is gathered from them, a collective every process calls in
+        the same order."""
+        value = getattr(value, "value", value)  # a Keras variable's array
+        if (isinstance(value, jax.Array) and not value.is_fully_addressable
+                and not value.is_fully_replicated):
+            return np.asarray(multihost_utils.process_allgather(
+                value, tiled=True))
+        return np.asarray(value)
 
     def _sync_state(self) -> None:
         model = self.model
@@ -135,16 +161,6 @@ class TrainFunctionWrapper:
                 "peak_bytes": int(stats.get("peak_bytes_in_use", current)),
             }
         return out
-
-
-class ResumeSkipping:
-    """The resume's skipping on JAX: not ported (nothing to skip)."""
-
-    def resume(self, state: dict, *, generation: int, epoch: int,
-               step_in_epoch: int):
-        raise NotImplementedError(
-            "keras-mgpu's training runtime does not resume a run on Keras's "
-            "JAX backend yet (BackupAndRestore is TensorFlow-only).")
 
 
 class _Fetches:

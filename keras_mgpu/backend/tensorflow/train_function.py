@@ -2,7 +2,8 @@
 
 It counts the batches each call read and trained (a call of
 `steps_per_execution` steps may hold fewer where the data ends), times input
-fetches when asked, and hands a resumed run's first calls to the skipping.
+fetches when asked, and hands a resumed run's first calls to the runtime's
+skipping (`keras_mgpu/runtime/skipping.py`).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from keras_mgpu import compat
@@ -41,10 +43,11 @@ class TrainFunctionWrapper:
         def train_function(iterator):
             self._read_from(iterator)
             if self._skip is not None:
-                logs, read, trained = self._skip_then_train(iterator, step)
+                logs, read, trained = self._skip_then_train(
+                    iterator, lambda batches: self._scoped(step, batches))
                 if read:
                     self._account(read, trained)
-                    return logs
+                    return {} if logs is None else logs
                 # Only batches of earlier epochs were skipped: the call
                 # trains as any other.
             logs, read = self._train(iterator, step, twin)
@@ -92,31 +95,12 @@ class TrainFunctionWrapper:
                 return logs, read
             # Nothing to instrument (run_eagerly, another stand-in): the
             # batches go one by one through the function's own loop.
-            return self._train_batches(step, iterator, self._steps_per_call)
+            return self._train_batches(
+                lambda batches: self._scoped(step, batches), iterator,
+                self._steps_per_call)
         except (StopIteration, tf.errors.OutOfRangeError):
             self._account(0, 0)  # the data ended: this call trained nothing
             raise
-
-    def _train_batches(self, step, iterator, limit: int):
-        """Trains at most `limit` batches of `iterator` in one call, through
-        the train function's loop over a Python iterator (Keras's own, as
-        for `train_on_batch`): (logs, batches trained). Raises StopIteration
-        when the data has none left."""
-        first = _next(iterator)
-        count = [1]
-
-        def batches():
-            yield first
-            for _ in range(limit - 1):
-                try:
-                    element = _next(iterator)
-                except StopIteration:
-                    return
-                count[0] += 1
-                yield element
-
-        logs = self._scoped(step, batches())
-        return logs, count[0]
 
     def _uninstall(self) -> None:
         self._put_back_train_function()
@@ -131,12 +115,34 @@ class TrainFunctionWrapper:
     def _check_support(self) -> None:
         compat.check_runtime_support(self.model)
 
-    def _check_callback(self, callback) -> None:
-        pass
-
     @staticmethod
     def _new_input_wait():
         return strategy_lib.local_variable(0.0, tf.float64)
+
+    @staticmethod
+    def _next_batch(iterator):
+        """The next batch; StopIteration at the end of the data (TensorFlow
+        may raise OutOfRangeError there)."""
+        try:
+            return next(iterator)
+        except tf.errors.OutOfRangeError:
+            raise StopIteration from None
+
+    def _batch_samples(self, element) -> int:
+        """Samples in one batch `element` of a distributed iterator, over
+        all workers (each worker holds an equal shard)."""
+        strategy = self.model.distribute_strategy
+        leaf = tf.nest.flatten(element)[0]
+        local = sum(int(t.shape[0])
+                    for t in strategy.experimental_local_results(leaf))
+        if strategy_lib.is_multi_worker(strategy):
+            return local * strategy_lib.num_workers()
+        return local
+
+    @staticmethod
+    def host_array(value) -> np.ndarray:
+        """A variable's or tensor's value in host memory."""
+        return np.asarray(value)
 
     def _sync_state(self) -> None:
         pass
@@ -192,14 +198,6 @@ class TrainFunctionWrapper:
                 "peak_bytes": int(info["peak"]),
             }
         return out
-
-def _next(iterator):
-    """The next batch; StopIteration at the end of the data (TensorFlow may
-    raise OutOfRangeError there)."""
-    try:
-        return next(iterator)
-    except tf.errors.OutOfRangeError:
-        raise StopIteration from None
 
 
 def _tensor(value):

@@ -40,7 +40,7 @@ class _Fit:
     """Who takes part in the `fit` now running, and where it saves."""
 
     runtime: TrainingRuntime
-    strategy: tf.distribute.Strategy
+    strategy: object  # the model's strategy (TensorFlow) or distribution (JAX)
     chief: bool
     multi_worker: bool
     siblings: list  # the other callbacks of the list
@@ -131,7 +131,11 @@ class BackupAndRestore(RuntimeCallback):
 
     Under `MultiWorkerMirroredStrategy` every worker takes part in each save
     (reading replica-local variables is a collective), only the chief writes
-    to `backup_dir`, and all workers resume from the same generation.
+    to `backup_dir`, and all workers resume from the same generation. On
+    Keras's JAX backend, under a `keras.distribution` distribution, the
+    same holds for `jax.distributed` processes (process 0 is the chief); a
+    variable split over devices of other processes (`ModelParallel`) is
+    gathered from them for the save.
 
     An epoch's end is saved in `on_epoch_end`, as Keras saves it. If a
     stateful callback comes after this callback in the list, it is saved
@@ -209,8 +213,6 @@ class BackupAndRestore(RuntimeCallback):
     2
     """
 
-    _needs_resume = True
-
     def __init__(
         self,
         backup_dir: str,
@@ -276,7 +278,7 @@ class BackupAndRestore(RuntimeCallback):
         model = self.model
         super().on_train_begin(logs)
         runtime = self.runtime
-        strategy = model.distribute_strategy
+        strategy = strategy_lib.of_model(model)
         running = compat.running_fit(model)
         callbacks = [] if running is None else running.callbacks
         self._fit = _Fit(
@@ -417,7 +419,7 @@ class BackupAndRestore(RuntimeCallback):
         self._schedule.saved_at(fit.runtime.global_step)
         self._finish_write()
         # Every worker reads (collectives); only the chief keeps it.
-        weights, extra = self._host.read(self.model)
+        weights, extra = self._host.read(self.model, fit.runtime)
         runtime_state = fit.runtime.state()
         if not fit.chief:
             return

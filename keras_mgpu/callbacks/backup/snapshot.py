@@ -22,19 +22,22 @@ class HostSnapshot:
         optimizer changes where the values are."""
         self._layout = None
 
-    def read(self, model) -> tuple:
+    def read(self, model, runtime) -> tuple:
         """(what `save_weights` writes, the RNG states it leaves out).
 
         Collectives under MultiWorkerMirroredStrategy (replica-local
-        variables are all-reduced on read): every worker reads, in this
-        order.
+        variables are all-reduced on read) and for arrays sharded across
+        JAX processes: every worker reads, in this order.
         """
         if self._layout is None:
             self._layout = compat.weights_layout(model)
             self._weights = None
+        # Keras's JAX `fit` trains on a state outside the variables.
+        runtime.sync_variables()
+        to_host = runtime.host_array
         # Into the previous save's arrays: its write has finished.
-        self._weights = self._layout.read(into=self._weights)
-        extra = [np.asarray(v.numpy()) for v in unsaved_variables(model)]
+        self._weights = self._layout.read(into=self._weights, to_host=to_host)
+        extra = [np.array(to_host(v)) for v in unsaved_variables(model)]
         return self._weights, extra
 
     def free(self) -> None:

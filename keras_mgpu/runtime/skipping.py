@@ -1,20 +1,20 @@
 """Resuming mid-epoch: skipping the batches the interrupted run trained on.
 
-`TrainingRuntime.resume()` records what to skip (the runtime's `_Skip`); the train
-function's wrapper then reads those batches without training on them, and
-refuses the resume where this run's data or batch size cannot end where the
-saved run's did.
+`TrainingRuntime.resume()` records what to skip (the runtime's `_Skip`); the
+backend's train-function wrapper then hands each call to `_skip_then_train`,
+which reads those batches without training on them, and refuses the resume
+where this run's data or batch size cannot end where the saved run's did.
+The backend's wrapper answers the two questions that differ per backend:
+`_next_batch(iterator)` (the next batch; StopIteration at the data's end)
+and `_batch_samples(element)` (the samples of one batch, over all workers).
 """
 
 from __future__ import annotations
 
 import warnings
-
-import tensorflow as tf
+from typing import Callable
 
 from keras_mgpu import compat
-from keras_mgpu import strategy as strategy_lib
-from keras_mgpu.backend.tensorflow.train_function import _next
 
 
 class ResumeSkipping:
@@ -22,12 +22,14 @@ class ResumeSkipping:
 
     # --- resuming: skipping what the interrupted run trained -----------------
 
-    def _skip_then_train(self, iterator, step):
+    def _skip_then_train(self, iterator, run: Callable):
         """A call while a resume skips: reads the batches the interrupted run
         had trained on, trains nothing on them, and trains the rest of the
-        call (where the saved position lies inside it). Returns (logs, batches
-        of the epoch read, batches trained); logs are empty while nothing
-        trained (the metrics may not be built yet)."""
+        call (where the saved position lies inside it) with `run(batches)`,
+        the backend's train function over an iterator of batches. Returns
+        (what `run` returned or None, batches of the epoch read, batches
+        trained); None while nothing trained (the metrics may not be built
+        yet)."""
         skip = self._skip
         if skip.before_epoch:
             # The interrupted run's epoch began this far into its iterator.
@@ -47,7 +49,7 @@ class ResumeSkipping:
                 )
             for read in range(skip.before_epoch):
                 try:
-                    _next(iterator)
+                    self._next_batch(iterator)
                 except StopIteration:
                     self._skip = None
                     raise ValueError(self._short_data_message(
@@ -64,7 +66,7 @@ class ResumeSkipping:
         read = 0
         while read < limit and not skip.done:
             try:
-                element = _next(iterator)
+                element = self._next_batch(iterator)
             except StopIteration:
                 self._skip = None
                 raise ValueError(self._short_data_message(
@@ -75,22 +77,43 @@ class ResumeSkipping:
             if skip.samples is not None:
                 self._skip_samples_of(element)
         if not skip.done:
-            return {}, read, 0
+            return None, read, 0
         self._skip = None
         if read == 0 or read == limit:
-            return {}, read, 0
+            return None, read, 0
         try:
-            logs, trained = self._train_batches(step, iterator, limit - read)
+            result, trained = self._train_batches(run, iterator, limit - read)
         except StopIteration:
             # The interrupted run had read the data to its end.
-            return {}, read, 0
-        return logs, read + trained, trained
+            return None, read, 0
+        return result, read + trained, trained
+
+    def _train_batches(self, run: Callable, iterator, limit: int):
+        """Trains at most `limit` batches of `iterator` in one call of
+        `run(batches)` (the train function's own loop over a Python
+        iterator, as for `train_on_batch`): (what it returned, batches
+        trained). Raises StopIteration when the data has none left."""
+        first = self._next_batch(iterator)
+        count = [1]
+
+        def batches():
+            yield first
+            for _ in range(limit - 1):
+                try:
+                    element = self._next_batch(iterator)
+                except StopIteration:
+                    return
+                count[0] += 1
+                yield element
+
+        result = run(batches())
+        return result, count[0]
 
     def _skip_samples_of(self, element) -> None:
         """Counts a skipped batch's samples; refuses the resume when this
         run's batches cannot end where the saved run's did."""
         skip = self._skip
-        batch = _global_batch(self.model.distribute_strategy, element)
+        batch = self._batch_samples(element)
         if not skip.checked:
             self._check_skip(batch)
         skip.skipped_samples += batch
@@ -166,13 +189,3 @@ class ResumeSkipping:
             "a new backup_dir."
         )
 
-
-def _global_batch(strategy, element) -> int:
-    """Samples in one batch `element` of a distributed iterator, over all
-    workers (each worker holds an equal shard)."""
-    leaf = tf.nest.flatten(element)[0]
-    local = sum(int(t.shape[0])
-                for t in strategy.experimental_local_results(leaf))
-    if strategy_lib.is_multi_worker(strategy):
-        return local * strategy_lib.num_workers()
-    return local
