@@ -25,6 +25,8 @@ MAX_STEPS = 1_000_000  # --steps, --warmup-steps, --accum
 MAX_REPEATS = 1_000
 MAX_BATCH_SIZE = 1_048_576
 MAX_TIMEOUT = 7 * 24 * 3600
+MAX_WORKERS = 1024  # launch --workers
+MAX_RESTARTS = 1_000_000
 # Feature (the pip extra of the same name) -> the display names of the
 # packages it needs (keys of `keras_mgpu._doctor.OPTIONAL_PACKAGES`).
 FEATURES = {
@@ -120,18 +122,20 @@ def _list_type(parse: Callable[..., list], *args) -> Callable[[str], list]:
     return parse_arg
 
 
-def _positive_int(what: str, high: int) -> Callable[[str], int]:
+def _positive_int(what: str, high: int, low: int = 1
+                  ) -> Callable[[str], int]:
     def parse_arg(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
-            value = 0
-        if value < 1:
+            value = None
+        if value is None or value < low:
+            kind = "a positive integer" if low == 1 else f"an integer >= {low}"
             raise argparse.ArgumentTypeError(
-                f"{what}: {text!r} is not a positive integer.")
+                f"{what}: {text!r} is not {kind}.")
         if value > high:
             raise argparse.ArgumentTypeError(
-                f"{what}: {value} is out of range; it must be from 1 to "
+                f"{what}: {value} is out of range; it must be from {low} to "
                 f"{high}.")
         return value
 
@@ -183,6 +187,24 @@ directory '/nonexistent/dir' does not exist. Create it, or choose another path.
         os.remove(path)
 
 
+def _seconds(what: str, allow_zero: bool = False) -> Callable[[str], float]:
+    def parse_arg(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = None
+        # NaN fails every comparison: caught by the `not`.
+        if (value is None or not 0 <= value <= MAX_TIMEOUT
+                or (value == 0 and not allow_zero)):
+            low = "0" if allow_zero else "more than 0"
+            raise argparse.ArgumentTypeError(
+                f"{what}: {text!r} is not a number of seconds from {low} "
+                f"to {MAX_TIMEOUT}.")
+        return value
+
+    return parse_arg
+
+
 def _features(text: str) -> list[str]:
     if text.strip() == "all":
         return sorted(FEATURES)
@@ -208,9 +230,12 @@ def build_parser() -> argparse.ArgumentParser:
     """
     parser = argparse.ArgumentParser(
         prog="keras-mgpu",
-        description="Check a machine for multi-GPU Keras training (doctor) "
-                    "and measure data-parallel scaling (bench).")
-    sub = parser.add_subparsers(dest="command", metavar="{doctor,bench}")
+        description="Check a machine for multi-GPU Keras training (doctor), "
+                    "measure data-parallel scaling (bench) and run a "
+                    "training command as a supervised local cluster "
+                    "(launch).")
+    sub = parser.add_subparsers(dest="command",
+                                metavar="{doctor,bench,launch}")
     sub.required = True
 
     doctor = sub.add_parser(
@@ -281,6 +306,54 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--_child", action="store_true", help=argparse.SUPPRESS)
     bench.add_argument("--_out", help=argparse.SUPPRESS)
     bench.add_argument("--_policies", help=argparse.SUPPRESS)
+
+    launch = sub.add_parser(
+        "launch", help="run N workers of a command, restarted when one dies",
+        usage="keras-mgpu launch --workers N [--max-restarts R] [options] "
+              "-- COMMAND [ARGS ...]",
+        description="Start N local workers of COMMAND, each with its "
+                    "TF_CONFIG on free localhost ports and KERAS_MGPU_ATTEMPT "
+                    "(1, 2, ...) in its environment; show their output, each "
+                    "line after its worker's label. When a worker dies by a "
+                    "signal or exits with a restart code, stop the others "
+                    "and start all N again on fresh ports, up to "
+                    "--max-restarts times. Exits 0 when every worker "
+                    "finished, else with the last failure's status.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    launch.add_argument("--workers", required=True,
+                        type=_positive_int("--workers", MAX_WORKERS),
+                        help="worker processes")
+    launch.add_argument("--max-restarts", default=0,
+                        type=_positive_int("--max-restarts", MAX_RESTARTS,
+                                           low=0),
+                        help="restarts of every worker after a worker died")
+    launch.add_argument("--restart-exit-codes", default=None,
+                        type=_list_type(parse_int_list,
+                                        "--restart-exit-codes", 1, 255),
+                        metavar="CODES",
+                        help="exit codes that are worth a restart, "
+                             "comma-separated (default: 137,138,143; a "
+                             "death by a signal always is)")
+    launch.add_argument("--backoff", default=1.0,
+                        type=_seconds("--backoff", allow_zero=True),
+                        help="seconds before the first restart, doubling "
+                             "for each next one (at most 60)")
+    launch.add_argument("--hang-timeout", default=None,
+                        type=_seconds("--hang-timeout"), metavar="SECONDS",
+                        help="stop and restart the workers when "
+                             "--progress-file has not changed for this long")
+    launch.add_argument("--progress-file", default=None, metavar="PATH",
+                        help="a file the workers rewrite as they train, e.g. "
+                             "BackupAndRestore's BACKUP_DIR/LOCK.json (its "
+                             "heartbeat: at most every 30 s)")
+    launch.add_argument("--timeout", default=None,
+                        type=_seconds("--timeout"), metavar="SECONDS",
+                        help="seconds for all attempts together (default: "
+                             "no limit)")
+    launch.add_argument("program", nargs=argparse.REMAINDER,
+                        metavar="-- COMMAND [ARGS ...]",
+                        help="the program each worker runs")
+    launch.set_defaults(subparser=launch)
     return parser
 
 
@@ -305,6 +378,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 in it, e.g. '/bench.json'.
     """
     args = build_parser().parse_args(argv)
+    if args.command == "launch":
+        _check_launch(args)
     if args.command == "bench" and not args._child:
         outputs = [(what, path) for what, path in (("--json", args.json),
                                                    ("--plot", args.plot))
@@ -321,3 +396,17 @@ in it, e.g. '/bench.json'.
                 f"--json and --plot name the same file {args.json!r}: the "
                 "chart would overwrite the results. Give each its own path.")
     return args
+
+
+def _check_launch(args: argparse.Namespace) -> None:
+    if args.program and args.program[0] == "--":
+        args.program = args.program[1:]
+    if not args.program:
+        args.subparser.error(
+            "no command to run: put it after '--', e.g. keras-mgpu launch "
+            "--workers 2 -- python train.py")
+    if (args.hang_timeout is None) != (args.progress_file is None):
+        args.subparser.error(
+            "--hang-timeout and --progress-file go together: the workers "
+            "are restarted when that file has not changed for that long. "
+            "Pass both, or neither.")

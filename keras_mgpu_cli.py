@@ -5,6 +5,7 @@
                      [--precision float32,mixed] [--accum 1,4]
                      [--steps 20] [--batch-size 64] [--json PATH]
                      [--plot out.png]
+    keras-mgpu launch --workers N [--max-restarts R] -- COMMAND [ARGS ...]
 
 This module is outside the `keras_mgpu` package on purpose: importing
 anything from `keras_mgpu` first runs `keras_mgpu/__init__.py`, which imports

@@ -1,10 +1,12 @@
-"""The `keras-mgpu` command: `doctor` checks a machine, `bench` measures scaling.
+"""The `keras-mgpu` command: `doctor` checks a machine, `bench` measures
+scaling, `launch` runs a supervised local cluster.
 
     keras-mgpu doctor [--json] [--need tuner,profile,wandb]
     keras-mgpu bench [--model resnet|mlp] [--replicas 1,2,4]
                      [--precision float32,mixed] [--accum 1,4]
                      [--steps 20] [--batch-size 64] [--json PATH]
                      [--plot out.png]
+    keras-mgpu launch --workers N [--max-restarts R] -- COMMAND [ARGS ...]
 
 The `keras-mgpu` console script is `keras_mgpu_cli.main`: it parses the
 arguments without importing TensorFlow and then calls `run` here. Also
@@ -23,6 +25,7 @@ from typing import Optional, Sequence
 
 from keras_mgpu import _bench
 from keras_mgpu import _doctor
+from keras_mgpu import launcher
 # The parser lives in a top-level module that imports no TensorFlow (see its
 # docstring); callers of keras_mgpu.cli.build_parser keep working.
 from keras_mgpu_args import build_parser, parse_args
@@ -143,6 +146,31 @@ def run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return EXIT_OK
 
 
+def run_launch(args: argparse.Namespace) -> int:
+    """`keras-mgpu launch`: the workers' output on stdout, one line per
+    attempt that ended on stderr; the exit code."""
+    codes = args.restart_exit_codes
+    try:
+        result = launcher.launch(
+            args.program, args.workers, max_restarts=args.max_restarts,
+            restart_exit_codes=(launcher.LAUNCH_RESTART_EXIT_CODES
+                                if codes is None else codes),
+            backoff=args.backoff, hang_timeout=args.hang_timeout,
+            progress_file=args.progress_file, timeout=args.timeout,
+            echo=sys.stdout, report=sys.stderr)
+    except launcher.LaunchError as e:
+        print(str(e).split("\n", 1)[1], file=sys.stderr)
+        return e.exit_code
+    except launcher.WorkerError as e:  # the --timeout ran out
+        print(f"keras-mgpu launch: {e}", file=sys.stderr)
+        return EXIT_FINDING_ERROR
+    restarts = result.restarts
+    print(f"keras-mgpu launch: all {args.workers} workers finished after "
+          f"{restarts} restart{'' if restarts == 1 else 's'}.",
+          file=sys.stderr)
+    return EXIT_OK
+
+
 def run(args: argparse.Namespace) -> int:
     """Runs the command `args` names (parsed by `build_parser()`); the exit code.
 
@@ -150,7 +178,8 @@ def run(args: argparse.Namespace) -> int:
         args: The namespace `build_parser().parse_args(...)` returned.
 
     Returns:
-        0 on success, 1 when `doctor` found an error or `bench` failed.
+        0 on success, 1 when `doctor` found an error or `bench` failed;
+        for `launch`, the status of the failure it gave up on.
 
     Example:
 
@@ -159,6 +188,8 @@ def run(args: argparse.Namespace) -> int:
     """
     if args.command == "doctor":
         return run_doctor(args)
+    if args.command == "launch":
+        return run_launch(args)
     return run_bench(args, args.subparser)
 
 

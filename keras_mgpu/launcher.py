@@ -44,11 +44,17 @@ from keras_mgpu._launcher_output import _collect
 from keras_mgpu._launcher_output import _describe
 from keras_mgpu._launcher_output import _Echo
 from keras_mgpu._launcher_output import _read
+from keras_mgpu import _supervisor
+from keras_mgpu._supervisor import LaunchError  # noqa: F401
+from keras_mgpu._supervisor import LaunchResult
+from keras_mgpu.callbacks.backup.exit_codes import LAUNCH_RESTART_EXIT_CODES  # noqa: E501
 from keras_mgpu.strategy import make_tf_config
 
 RESULT_ENV = "KERAS_MGPU_RESULT"
+# The attempt number `launch` gives each worker: 1, then 2 after a restart.
+ATTEMPT_ENV = "KERAS_MGPU_ATTEMPT"
 
-Target = Union[str, Callable[..., Any]]
+Target = Union[str, Sequence[str], Callable[..., Any]]
 
 
 def free_ports(n: int) -> list:
@@ -70,6 +76,18 @@ def free_ports(n: int) -> list:
 
 
 def _command(target: Target, kwargs: Mapping[str, Any], args: Sequence[str]):
+    if isinstance(target, (list, tuple)):
+        # A command line, run as given (`keras-mgpu launch -- python ...`).
+        if not target or not all(isinstance(a, str) for a in target):
+            raise TypeError(
+                f"A command target must be a non-empty list of strings, got "
+                f"{target!r}, e.g. ['python', 'train.py', '--epochs', '2'].")
+        if kwargs or args:
+            raise ValueError(
+                f"kwargs and args are for a function or script target, but "
+                f"{list(target)!r} is a command line: put its arguments in "
+                "the list.")
+        return list(target)
     if callable(target):
         module = getattr(target, "__module__", None)
         qualname = getattr(target, "__qualname__", None)
@@ -211,6 +229,207 @@ def run_local_workers(
     # A bad environment fails Popen for one worker after the others started.
     extras = [_check_env(env(i) if callable(env) else env, i, env)
               for i in range(num_workers)]
+    results, first, _ = _run_cluster(
+        command, num_workers, extras, timeout=timeout, cwd=cwd,
+        marker=kill_when_printed, to_kill=to_kill, kill_signal=kill_signal,
+        echo=echo, labels=labels)
+    if check:
+        failed = [r for r in results if r.returncode != 0 and not r.killed]
+        if failed:
+            raise WorkerError(_describe(failed, "failed", labels, first),
+                              results, first)
+    return results
+
+
+
+def launch(
+    target: Target,
+    num_workers: int = 2,
+    *,
+    max_restarts: int = 0,
+    restart_exit_codes: Iterable[int] = LAUNCH_RESTART_EXIT_CODES,
+    backoff: float = 1.0,
+    hang_timeout: Optional[float] = None,
+    progress_file: Optional[str] = None,
+    kwargs: Optional[Mapping[str, Any]] = None,
+    args: Sequence[str] = (),
+    env: Union[None, Mapping[str, str], Callable[[int], Mapping[str, str]]] = None,
+    cwd: Optional[str] = None,
+    timeout: Optional[float] = None,
+    echo: Optional[TextIO] = None,
+    report: Optional[TextIO] = None,
+    labels: Optional[Sequence[str]] = None,
+) -> LaunchResult:
+    """Runs `target` as a local cluster, started again when a worker dies.
+
+    Each attempt starts `num_workers` processes with their `TF_CONFIG` on
+    fresh localhost ports, as `run_local_workers` does, and
+    `KERAS_MGPU_ATTEMPT` (1, 2, ...) in their environment. When a worker
+    dies by a signal or exits with one of `restart_exit_codes` (the code
+    `BackupAndRestore`'s presets exit with after a SIGTERM save is one),
+    the others are stopped and, while restarts are left, all of them start
+    again after a backoff; a `BackupAndRestore` in the program resumes
+    where the last save left it. A worker that exits 0 while others train
+    is fine. Any other exit code is a failure of the program itself: not
+    restarted.
+
+    Args:
+        target: What each worker runs: a command line (a list of strings),
+            a script path or a `"module:function"` string or module-level
+            function (see `run_local_workers`).
+        num_workers: Defaults to 2. A positive integer.
+        max_restarts: Defaults to 0. How many times to start every worker
+            again after a restartable failure.
+        restart_exit_codes: Defaults to `LAUNCH_RESTART_EXIT_CODES` (137,
+            138, 143). Exit codes that are worth a restart; a death by any
+            signal always is.
+        backoff: Defaults to 1.0. Seconds before the first restart,
+            doubling for each next one (at most 60).
+        hang_timeout: Defaults to `None` (no watchdog). Seconds without a
+            change to `progress_file` after which every worker is stopped
+            and the attempt counts as failed (restartable).
+        progress_file: Defaults to `None`. A file the workers rewrite while
+            they make progress: `BackupAndRestore`'s `LOCK.json` in its
+            `backup_dir` (its heartbeat is rewritten at a batch end at most
+            every 30 s: use a `hang_timeout` well above that) or
+            `DistributedLogger`'s JSONL file. Needed with `hang_timeout`.
+        kwargs: Defaults to `None`. Keyword arguments for a function target.
+        args: Defaults to `()`. Arguments for a script target.
+        env: Defaults to `None`. Extra environment, or a function of the
+            worker index returning it.
+        cwd: Defaults to `None`, the current directory.
+        timeout: Defaults to `None`, no limit. Seconds for all attempts
+            together; past it every worker is killed and `WorkerError`
+            raised, with no restart.
+        echo: Defaults to `None`. A text stream for the workers' output,
+            each line after its worker's label (`[worker 1] ...`).
+        report: Defaults to `None`. A text stream for one line per attempt
+            that ended: why, and what happens next.
+        labels: Defaults to `None`: `worker <index>`.
+
+    Returns:
+        A `LaunchResult`: every `Attempt` and the last attempt's
+        `WorkerResult`s.
+
+    Raises:
+        LaunchError: a failure that is not restarted, or a restartable
+            one with no restarts left; its message names every attempt
+            and how it ended, and its `exit_code` is the status a shell
+            would report for the last failure.
+
+    Example:
+
+    >>> import sys
+    >>> result = launch([sys.executable, "-c", "print('hello')"], 2,
+    ...                 max_restarts=1)
+    >>> [a.why for a in result.attempts], result.restarts
+    (['finished'], 0)
+    """
+    if not is_integer(max_restarts) or max_restarts < 0:
+        raise ValueError(
+            f"max_restarts must be an integer >= 0, got {max_restarts!r}.")
+    if (isinstance(restart_exit_codes, (str, bytes))
+            or not isinstance(restart_exit_codes, Iterable)):
+        raise TypeError(f"restart_exit_codes must be a collection of exit "
+                        f"codes, got {restart_exit_codes!r}.")
+    restart_codes = frozenset(restart_exit_codes)
+    bad = [c for c in restart_codes if not is_integer(c) or not 1 <= c <= 255]
+    if bad:
+        raise ValueError(
+            f"restart_exit_codes must hold exit codes from 1 to 255, got "
+            f"{sorted(map(repr, bad))}: 0 is success, and a process can "
+            "exit with 1 to 255 only.")
+    if (not isinstance(backoff, numbers.Real) or isinstance(backoff, bool)
+            or not math.isfinite(backoff) or backoff < 0):
+        raise ValueError(f"backoff must be a number of seconds >= 0, got "
+                         f"{backoff!r}.")
+    if (hang_timeout is None) != (progress_file is None):
+        raise ValueError(
+            f"hang_timeout ({hang_timeout!r}) and progress_file "
+            f"({progress_file!r}) go together: the watchdog stops the "
+            "workers when that file has not changed for that long. Pass "
+            "both, or neither.")
+    if hang_timeout is not None:
+        _check_timeout(hang_timeout, "hang_timeout")
+    if timeout is not None:
+        _check_timeout(timeout, "timeout")
+    if not is_positive_integer(num_workers):
+        raise ValueError(
+            f"num_workers must be a positive integer, got {num_workers!r}.")
+    num_workers = int(num_workers)
+    command = _command(target, _check_kwargs(kwargs), _check_args(args))
+    labels = _check_labels(labels, num_workers)
+    extras = [_check_env(env(i) if callable(env) else env, i, env)
+              for i in range(num_workers)]
+    deadline = None if timeout is None else time.monotonic() + timeout
+    attempts = []
+    while True:
+        number = len(attempts) + 1
+        for extra in extras:
+            extra[ATTEMPT_ENV] = str(number)
+        watchdog = None if progress_file is None else (
+            _supervisor.ProgressWatchdog(progress_file, hang_timeout))
+        left = None if deadline is None else max(
+            deadline - time.monotonic(), 1e-3)
+        results, first, stopped = _run_cluster(
+            command, num_workers, extras, timeout=left, cwd=cwd, echo=echo,
+            labels=labels, watchdog=watchdog)
+        attempt = _supervisor.ending(number, results, first, stopped,
+                                     restart_codes, labels)
+        attempts.append(attempt)
+        if attempt.finished:
+            return LaunchResult(tuple(attempts), results)
+        restarts = number - 1
+        if not attempt.restartable or restarts >= max_restarts:
+            if not attempt.restartable:
+                why = ("not restarted: a restart is for a worker a signal "
+                       "ended or one that exits with "
+                       f"{', '.join(map(str, sorted(restart_codes)))}")
+            else:
+                why = (f"no restarts left: {restarts} of max_restarts="
+                       f"{max_restarts} made")
+            message = (
+                f"keras-mgpu launch: gave up after {number} attempt"
+                f"{'s' if number > 1 else ''} ({why}): "
+                f"{_supervisor.describe_attempts(attempts)}.\n"
+                + _describe(results, "failed", labels, first))
+            _say(report, message.splitlines()[0])
+            raise LaunchError(message, attempts, results, first,
+                              _supervisor.exit_code(attempt))
+        wait = _supervisor.backoff_seconds(backoff, number)
+        _say(report, f"keras-mgpu launch: attempt {number} ended: "
+                     f"{attempt.why}. Restarting all {num_workers} workers "
+                     f"in {wait:g} s (restart {number} of {max_restarts}).")
+        time.sleep(wait)
+
+
+def _say(stream: Optional[TextIO], line: str) -> None:
+    if stream is not None:
+        stream.write(line + "\n")
+        stream.flush()
+
+
+def _check_timeout(value, name: str, hint: str = "") -> None:
+    # A string would fail only in the wait, after every worker started; NaN
+    # or inf would never time out.
+    if (not isinstance(value, numbers.Real) or isinstance(value, bool)
+            or not math.isfinite(value) or value <= 0):
+        raise ValueError(
+            f"{name} must be a positive, finite number of seconds, got "
+            f"{value!r}.{hint}")
+
+
+def _run_cluster(command: list, num_workers: int, extras: list, *,
+                 timeout: Optional[float], cwd=None, marker=None,
+                 to_kill=(), kill_signal=signal.SIGKILL, echo=None,
+                 labels=(), watchdog: Optional[Callable[[], Optional[str]]]
+                 = None) -> tuple:
+    """Starts `num_workers` processes of `command` on fresh ports and waits
+    for them; (their `WorkerResult`s, the indices of the first to fail, why
+    the watchdog stopped them or None). `timeout` None: no deadline.
+    `watchdog()`, asked while they run, returns why to stop them all (a
+    hang), or None. Raises `WorkerError` on the timeout, with every worker
+    killed."""
     addresses = [f"localhost:{p}" for p in free_ports(num_workers)]
     procs, files = [], []
     echoer = _Echo(echo, files, labels)
@@ -239,9 +458,9 @@ def run_local_workers(
                     start_new_session=True,
                 )
             )
-        killed, stopped, first = _wait(
-            procs, files, timeout, kill_when_printed, to_kill, kill_signal,
-            echoer.copy, labels)
+        killed, stopped, first, stop_reason = _wait(
+            procs, files, timeout, marker, to_kill, kill_signal,
+            echoer.copy, labels, watchdog)
         results = _collect(procs, files, workdir, killed, stopped)
     finally:
         # Whatever happened (a timeout, Ctrl-C, a failed start), no worker
@@ -252,26 +471,15 @@ def run_local_workers(
             out.close()
             err.close()
         shutil.rmtree(workdir, ignore_errors=True)
-    if check:
-        failed = [r for r in results if r.returncode != 0 and not r.killed]
-        if failed:
-            raise WorkerError(_describe(failed, "failed", labels, first),
-                              results, first)
-    return results
+    return results, first, stop_reason
 
 
 def _check_options(timeout, marker, kill_workers, num_workers, kill_signal,
                    check, cwd) -> set:
     """Checks the scalar options; returns the indices to kill on `marker`."""
-    if (not isinstance(timeout, numbers.Real) or isinstance(timeout, bool)
-            or not math.isfinite(timeout) or timeout <= 0):
-        # A string fails only in the wait, after every worker started; NaN
-        # or inf would never time out.
-        raise ValueError(
-            f"timeout must be a positive, finite number of seconds, got "
-            f"{timeout!r}. Pass a number, e.g. timeout=300: every cluster "
-            "run has a deadline, so a hung worker cannot hang the caller."
-        )
+    _check_timeout(timeout, "timeout", " Pass a number, e.g. timeout=300: "
+                   "every cluster run has a deadline, so a hung worker "
+                   "cannot hang the caller.")
     if marker is not None:
         if not isinstance(marker, str):
             raise TypeError(
@@ -391,16 +599,18 @@ def _check_env(extra, index: int, env) -> dict:
     return dict(extra)
 
 
-def _wait(procs, files, timeout, marker, to_kill, kill_signal, echo, labels):
+def _wait(procs, files, timeout, marker, to_kill, kill_signal, echo, labels,
+          watchdog=None):
     """Waits for the workers; returns the indices killed on request, those
-    stopped after a failure, and those whose failure was seen first."""
-    deadline = time.monotonic() + timeout
+    stopped after a failure (or by the watchdog), those whose failure was
+    seen first, and why the watchdog stopped them (or None)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
     killed = set()
     while True:
         echo()
         codes = [p.poll() for p in procs]
         if all(c is not None for c in codes):
-            return killed, set(), []
+            return killed, set(), [], None
         first = [i for i, c in enumerate(codes)
                  if c not in (None, 0) and i not in killed]
         # A worker that died, or every one killed on request, leaves the
@@ -413,15 +623,20 @@ def _wait(procs, files, timeout, marker, to_kill, kill_signal, echo, labels):
             running = {i for i, p in enumerate(procs) if p.poll() is None}
             _kill_all(procs)
             if first:
-                return killed, running - killed, first
-            return killed | running, set(), []
+                return killed, running - killed, first, None
+            return killed | running, set(), [], None
         if marker is not None and not killed:
             if any(marker in _read(out) for out, _ in files):
                 for i in to_kill:
                     if procs[i].poll() is None:
                         os.killpg(procs[i].pid, kill_signal)
                 killed = set(to_kill)
-        if time.monotonic() > deadline:
+        reason = None if watchdog is None else watchdog()
+        if reason is not None:
+            running = {i for i, p in enumerate(procs) if p.poll() is None}
+            _kill_all(procs)
+            return killed, running - killed, [], reason
+        if deadline is not None and time.monotonic() > deadline:
             running = {i for i, p in enumerate(procs) if p.poll() is None}
             _kill_all(procs)
             results = _collect(procs, files, None, killed, running - killed)

@@ -10,6 +10,7 @@ cluster itself (`TF_CONFIG`, worker numbering) is read by
 from __future__ import annotations
 
 import concurrent.futures
+import os
 from typing import Any, Optional, Sequence
 
 import keras
@@ -23,6 +24,7 @@ from keras_mgpu.cluster import _startup_error
 from keras_mgpu.cluster import cluster_info
 from keras_mgpu.cluster import make_tf_config  # noqa: F401
 from keras_mgpu.cluster import parse_tf_config  # noqa: F401
+from keras_mgpu.slurm import gpu_share, slurm_task
 
 
 def strategy_kind(
@@ -173,6 +175,7 @@ def auto_strategy(
     | situation | strategy |
     |---|---|
     | `TF_CONFIG` names more than one worker | `MultiWorkerMirroredStrategy` |
+    | no `TF_CONFIG`, a task of an `srun` step of 2 or more | `MultiWorkerMirroredStrategy` over the step's tasks |
     | `virtual_cpus=N` | `MirroredStrategy` over N logical CPUs |
     | `devices=[...]` | `MirroredStrategy` over them (one: `OneDeviceStrategy`) |
     | 2 or more local GPUs | `MirroredStrategy` with NCCL all-reduce |
@@ -185,6 +188,11 @@ def auto_strategy(
     `keras_mgpu.compat.enable_exact_clipping()`, so that `clipnorm`,
     `clipvalue` and `global_clipnorm` clip the all-reduced gradient, as on
     one device.
+
+    Under `srun` (a SLURM job step of 2 or more tasks) with no `TF_CONFIG`,
+    the step's cluster is read from the `SLURM_*` variables
+    (`keras_mgpu.slurm`) and set as this process's `TF_CONFIG`; where the
+    tasks on a node see the same GPUs, each takes an equal share of them.
 
     Args:
         virtual_cpus: Defaults to `None`. If set, split the host CPU into this
@@ -232,6 +240,7 @@ def auto_strategy(
         )
     from keras_mgpu import compat
 
+    _use_slurm_step()
     info = cluster_info()
     compat.enable_multi_step_fit()
     compat.enable_exact_clipping()
@@ -258,6 +267,24 @@ def auto_strategy(
     return tf.distribute.MirroredStrategy(
         devices=devices, cross_device_ops=cross_device_ops
     )
+
+
+def _use_slurm_step() -> None:
+    """Under `srun` without `TF_CONFIG`: the step's cluster becomes this
+    process's `TF_CONFIG` (what TensorFlow's resolver and every fact here
+    read), and each task on a node takes its share of the node's GPUs."""
+    if os.environ.get("TF_CONFIG", "").strip():
+        return
+    task = slurm_task()
+    if task is None:
+        return
+    os.environ["TF_CONFIG"] = task.tf_config
+    if task.gpus_bound:
+        return
+    gpus = tf.config.list_physical_devices("GPU")
+    share = gpu_share(task.local_rank, task.local_tasks, len(gpus))
+    if share is not None:
+        tf.config.set_visible_devices([gpus[i] for i in share], "GPU")
 
 
 def _check_cross_device_ops(value, expected_type) -> None:

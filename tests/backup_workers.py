@@ -28,7 +28,8 @@ def marker(text: str) -> None:
 
 def train(backup_dir, preset="preemptible", save_freq=4, accum_steps=None,
           epochs=3, steps=8, hold_write_of=None, report_held_at=None,
-          pause_at=None, virtual_cpus=None, mode="window", **overrides):
+          pause_at=None, virtual_cpus=None, mode="window", die_at=None,
+          **overrides):
     import keras_mgpu
 
     strategy = keras_mgpu.auto_strategy(virtual_cpus=virtual_cpus)
@@ -91,6 +92,10 @@ def train(backup_dir, preset="preemptible", save_freq=4, accum_steps=None,
             # Training got here while the write is held mid-generation.
             held.wait(timeout=workers.HOLD_SECONDS)
         marker(f"STEP {epoch_step[0]};")
+        if (epoch_step[0] == die_at and keras_mgpu.worker_index() == 1
+                and os.environ.get("KERAS_MGPU_ATTEMPT") == "1"):
+            # A crash of one worker, in the first attempt of a launch.
+            os.kill(os.getpid(), signal.SIGKILL)
         if epoch_step[0] == pause_at:
             # Hold still at this step until the test's signal arrives: a
             # SIGKILL ends the process here, a SIGTERM (handled by the

@@ -502,7 +502,17 @@ def imported_modules(stderr: str) -> set:
 
 
 @pytest.mark.parametrize("argv, code, named", [
-    (["--help"], 0, "{doctor,bench}"),
+    (["--help"], 0, "{doctor,bench,launch}"),
+    (["launch", "--help"], 0, "--max-restarts"),
+    (["launch", "--workers", "2"], 2, "no command to run: put it after '--'"),
+    (["launch", "--workers", "0", "--", "true"], 2,
+     "--workers: '0' is not a positive integer"),
+    (["launch", "--workers", "2", "--max-restarts", "-1", "--", "true"], 2,
+     "--max-restarts: '-1' is not an integer >= 0"),
+    (["launch", "--workers", "2", "--hang-timeout", "5", "--", "true"], 2,
+     "--hang-timeout and --progress-file go together"),
+    (["launch", "--workers", "2", "--backoff", "nan", "--", "true"], 2,
+     "--backoff: 'nan' is not a number of seconds"),
     (["bench", "--help"], 0, "--replicas"),
     (["doctor", "--help"], 0, "--need"),
     (["bench", "--replicas", "0"], 2, "--replicas: 0 is out of range"),
@@ -512,7 +522,7 @@ def imported_modules(stderr: str) -> set:
      "the directory '/nonexistent/dir' does not exist"),
     (["bench", "--accum", "99999999999999999999"], 2,
      "--accum: 99999999999999999999 is out of range"),
-    ([], 2, "required: {doctor,bench}"),
+    ([], 2, "required: {doctor,bench,launch}"),
 ])
 def test_console_script_answers_without_tensorflow(argv, code, named):
     env = dict(os.environ, PYTHONPROFILEIMPORTTIME="1")

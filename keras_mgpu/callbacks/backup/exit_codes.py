@@ -103,6 +103,13 @@ def _codes_text(codes: frozenset) -> str:
     return ", ".join(str(c) for c in sorted(codes))
 
 
+# What `keras-mgpu launch` restarts a job for, besides a worker a signal
+# ended: TFJob's transient codes (SIGKILL and SIGTERM as a shell reports
+# them, the presets' 143, and 138 for users' own retryable errors), less
+# 130: Ctrl-C is someone stopping the job.
+LAUNCH_RESTART_EXIT_CODES = RETRIED_EXIT_CODES["tfjob"].codes - {130}
+
+
 def exit_code_table() -> str:
     """`RETRIED_EXIT_CODES` as the Markdown table `docs/backup.md` shows."""
     lines = ["| job runner | setting | exit codes it reruns | limits "

@@ -1,0 +1,124 @@
+"""The restart policy of `keras_mgpu.launcher.launch`: why an attempt of a
+local cluster ended, whether that is worth another attempt, how long to
+wait first, and the watchdog that calls a run hung.
+
+Only the standard library: the processes themselves are the launcher's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Optional, Sequence
+
+from keras_mgpu._launcher_output import WorkerError, WorkerResult, _how
+
+# The longest wait between attempts, however many restarts came before.
+MAX_BACKOFF_SECONDS = 60.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Attempt:
+    """One start of every worker, and how it ended.
+
+    Args:
+        number: 1 for the first start, 2 for the first restart, ...
+        why: How it ended, in words (`"finished"`, or the first failure).
+        restartable: Whether that ending is worth another attempt.
+        returncodes: Each worker's exit status (negative: the signal that
+            ended it; workers the launcher stopped show its SIGKILL).
+    """
+
+    number: int
+    why: str
+    restartable: bool
+    returncodes: tuple
+
+    @property
+    def finished(self) -> bool:
+        return self.why == "finished"
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchResult:
+    """What `launch` ran: every attempt, and the workers of the last one."""
+
+    attempts: tuple
+    results: list
+
+    @property
+    def restarts(self) -> int:
+        return len(self.attempts) - 1
+
+
+class LaunchError(WorkerError):
+    """`launch` gave up: a failure it does not restart for, or no restarts
+    left. `attempts` holds every attempt; `results` the last one's workers;
+    `exit_code` the status a shell would report for the failure."""
+
+    def __init__(self, message: str, attempts: Sequence[Attempt],
+                 results: Sequence[WorkerResult],
+                 first_failed: Sequence[int], exit_code: int):
+        super().__init__(message, results, first_failed)
+        self.attempts = tuple(attempts)
+        self.exit_code = exit_code
+
+
+def ending(number: int, results: Sequence[WorkerResult], first: Sequence[int],
+           stop_reason: Optional[str], restart_codes, labels) -> Attempt:
+    """How attempt `number` ended, from its workers' results."""
+    codes = tuple(r.returncode for r in results)
+    if stop_reason is not None:
+        return Attempt(number, stop_reason, True, codes)
+    # The first failures the launcher saw; where every worker had ended
+    # by then, each that failed.
+    failed = ([results[i] for i in first] if first else
+              [r for r in results if r.returncode != 0 and not r.stopped])
+    if not failed:
+        return Attempt(number, "finished", False, codes)
+    why = "; ".join(f"{labels[r.index]} {_how(r.returncode)}"
+                    for r in failed)
+    restartable = all(r.returncode < 0 or r.returncode in restart_codes
+                      for r in failed)
+    return Attempt(number, why, restartable, codes)
+
+
+def exit_code(attempt: Attempt) -> int:
+    """The status a shell reports for the attempt's first failure: its
+    exit code, or 128 + the signal that ended it."""
+    for code in attempt.returncodes:
+        if code is not None and code != 0:
+            return 128 - code if code < 0 else code
+    return 1
+
+
+def backoff_seconds(backoff: float, restart: int) -> float:
+    """The wait before restart `restart` (1-based): `backoff`, doubling."""
+    return min(backoff * 2 ** (restart - 1), MAX_BACKOFF_SECONDS)
+
+
+def describe_attempts(attempts: Sequence[Attempt]) -> str:
+    return "; ".join(f"attempt {a.number}: {a.why}" for a in attempts)
+
+
+class ProgressWatchdog:
+    """Calls an attempt hung when `path` (a file the workers rewrite as they
+    train: the backup's `LOCK.json`, the logger's JSONL) has not changed for
+    `seconds`, counted from the attempt's start at the earliest."""
+
+    def __init__(self, path: str, seconds: float):
+        self._path = path
+        self._seconds = seconds
+        self._started = time.time()
+
+    def __call__(self) -> Optional[str]:
+        try:
+            changed = os.stat(self._path).st_mtime
+        except OSError:
+            changed = 0.0
+        last = max(changed, self._started)
+        if time.time() - last > self._seconds:
+            return (f"hung: {self._path} unchanged for more than "
+                    f"{self._seconds:g} s; stopped every worker")
+        return None

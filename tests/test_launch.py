@@ -1,0 +1,177 @@
+"""`keras-mgpu launch` and `keras_mgpu.launcher.launch`: a local cluster
+started again when a worker dies, with real processes on 127.0.0.1; SLURM
+steps and Kubernetes (TFJob) clusters as `auto_strategy()` reads them."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from keras_mgpu import launcher, slurm
+from tests import backup_workers
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KERAS_MGPU = os.path.join(os.path.dirname(sys.executable), "keras-mgpu")
+QUIET = {"TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": "-1"}
+# 3 epochs of 8 batches, windows of 3, a save every 4 batches.
+TRAIN = {"accum_steps": 3, "save_freq": 4}
+
+
+def max_diff(a, b):
+    return max(float(np.abs(np.asarray(x) - np.asarray(y)).max())
+               for x, y in zip(a, b))
+
+
+@pytest.fixture(scope="module")
+def two_workers(tmp_path_factory):
+    """The uninterrupted 2-worker run (the launcher's TF_CONFIG cluster)."""
+    backup_dir = tmp_path_factory.mktemp("uninterrupted") / "backup"
+    results = launcher.run_local_workers(
+        backup_workers.train, 2, timeout=240, env=QUIET,
+        kwargs={"backup_dir": str(backup_dir), **TRAIN})
+    return [r.result for r in results]
+
+
+def keras_mgpu_launch(*args, timeout=400):
+    """`keras-mgpu launch ARGS` as a user runs it: (exit code, stdout,
+    stderr)."""
+    run = subprocess.run([KERAS_MGPU, "launch", *args], cwd=ROOT,
+                         env=dict(os.environ, **QUIET), capture_output=True,
+                         text=True, timeout=timeout)
+    return run.returncode, run.stdout, run.stderr
+
+
+def test_a_killed_worker_is_restarted_and_the_run_ends_as_uninterrupted(
+        two_workers, tmp_path):
+    # Worker 1 SIGKILLs itself after step 13 of its first attempt; the
+    # launcher stops worker 0, starts both again, and the backup resumes.
+    out = tmp_path / "out"
+    out.mkdir()
+    kwargs = {"backup_dir": str(tmp_path / "backup"), "die_at": 13, **TRAIN}
+    code, stdout, stderr = keras_mgpu_launch(
+        "--workers", "2", "--max-restarts", "2", "--backoff", "0", "--",
+        sys.executable, "tests/launch_worker.py", json.dumps(kwargs),
+        str(out))
+    assert code == 0, stderr[-4000:]
+    assert ("keras-mgpu launch: attempt 1 ended: worker 1 killed by SIGKILL "
+            "(exit -9). Restarting all 2 workers in 0 s (restart 1 of 2)."
+            ) in stderr
+    assert "keras-mgpu launch: all 2 workers finished after 1 restart." in (
+        stderr)
+    assert "[worker 0] BackupAndRestore: resumed from backup generation" in (
+        stdout)
+    assert "[worker 1] STEP 13;" in stdout
+    for index, full in enumerate(two_workers):
+        resumed = json.loads((out / f"worker{index}.json").read_text())
+        assert resumed["iterations"] == full["iterations"] == 9
+        assert max_diff(resumed["weights"], full["weights"]) <= 1e-6
+
+
+def test_a_command_that_always_fails_stops_after_max_restarts():
+    code, _, stderr = keras_mgpu_launch(
+        "--workers", "2", "--max-restarts", "2", "--backoff", "0", "--",
+        sys.executable, "-c", "import sys; sys.exit(143)", timeout=120)
+    assert code == 143
+    assert stderr.count("Restarting all 2 workers") == 2
+    assert ("keras-mgpu launch: gave up after 3 attempts (no restarts left: "
+            "2 of max_restarts=2 made): attempt 1: worker 0 exit code 143; "
+            "worker 1 exit code 143; attempt 2:") in stderr
+
+
+def test_a_failure_of_the_program_itself_is_not_restarted():
+    code, _, stderr = keras_mgpu_launch(
+        "--workers", "2", "--max-restarts", "5", "--", sys.executable, "-c",
+        "import sys; sys.exit('bad input')", timeout=120)
+    assert code == 1
+    assert "Restarting" not in stderr
+    assert ("gave up after 1 attempt (not restarted: a restart is for a "
+            "worker a signal ended or one that exits with 137, 138, 143)"
+            ) in stderr
+    assert "bad input" in stderr  # the workers' own stderr
+
+
+def test_a_run_without_progress_is_stopped_and_restarted(tmp_path):
+    # The first attempt hangs without touching the progress file; the
+    # second finishes.
+    program = ("import os, threading, sys\n"
+               "if os.environ['KERAS_MGPU_ATTEMPT'] == '1':\n"
+               "    threading.Event().wait(600)\n")
+    result = launcher.launch(
+        [sys.executable, "-c", program], 2, max_restarts=1, backoff=0,
+        hang_timeout=2, progress_file=str(tmp_path / "LOCK.json"),
+        timeout=300)
+    first, second = result.attempts
+    assert first.why.startswith("hung: ") and first.restartable
+    assert first.returncodes == (-signal.SIGKILL, -signal.SIGKILL)
+    assert second.finished and result.restarts == 1
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"max_restarts": -1}, "max_restarts must be an integer >= 0"),
+    ({"restart_exit_codes": [0]}, "exit codes from 1 to 255"),
+    ({"hang_timeout": 5}, "go together"),
+    ({"backoff": float("nan")}, "backoff must be a number"),
+])
+def test_bad_launch_options_are_refused_before_anything_starts(bad, message):
+    with pytest.raises(ValueError, match=message):
+        launcher.launch([sys.executable, "-c", "pass"], 2, **bad)
+
+
+def _free_slurm_job() -> int:
+    """A job id whose first 2 ports are free here now."""
+    for job in range(1, 600):
+        port = slurm.job_port(job)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("localhost", port))
+                b.bind(("localhost", port + 1))
+            return job
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair for a SLURM job id")
+
+
+def test_two_srun_tasks_without_tf_config_train_as_the_launchers_two_workers(
+        two_workers, tmp_path):
+    job = _free_slurm_job()
+
+    def env(index):
+        return {**QUIET, "TF_CONFIG": "", "SLURM_JOB_ID": str(job),
+                "SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": str(index),
+                "SLURM_LOCALID": str(index),
+                "SLURM_STEP_NODELIST": "localhost",
+                "SLURM_STEP_TASKS_PER_NODE": "2"}
+
+    results = launcher.run_local_workers(
+        backup_workers.train, 2, timeout=240, env=env,
+        kwargs={"backup_dir": str(tmp_path / "backup"), **TRAIN})
+    for result, full in zip(results, two_workers):
+        assert result.result["iterations"] == full["iterations"] == 9
+        assert max_diff(result.result["weights"], full["weights"]) <= 1e-6
+
+
+def test_a_tfjob_cluster_with_a_chief_trains_as_two_workers(two_workers,
+                                                           tmp_path):
+    # As Kubeflow's TFJob writes it: a chief, a worker, an evaluator (not
+    # started: it trains nothing), and fields keras-mgpu does not use.
+    chief, worker, evaluator = (f"localhost:{p}"
+                                for p in launcher.free_ports(3))
+
+    def env(index):
+        task = {"type": "chief" if index == 0 else "worker", "index": 0}
+        return {**QUIET, "TF_CONFIG": json.dumps({
+            "cluster": {"chief": [chief], "worker": [worker],
+                        "evaluator": [evaluator]},
+            "task": task, "environment": "cloud"})}
+
+    results = launcher.run_local_workers(
+        backup_workers.train, 2, timeout=240, env=env,
+        kwargs={"backup_dir": str(tmp_path / "backup"), **TRAIN})
+    for result, full in zip(results, two_workers):
+        assert result.result["iterations"] == full["iterations"] == 9
+        assert max_diff(result.result["weights"], full["weights"]) <= 1e-6
