@@ -9,22 +9,17 @@ import socket
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 from keras_mgpu import launcher, slurm
 from tests import backup_workers
+from tests.workers import max_diff
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERAS_MGPU = os.path.join(os.path.dirname(sys.executable), "keras-mgpu")
 QUIET = {"TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": "-1"}
 # 3 epochs of 8 batches, windows of 3, a save every 4 batches.
 TRAIN = {"accum_steps": 3, "save_freq": 4}
-
-
-def max_diff(a, b):
-    return max(float(np.abs(np.asarray(x) - np.asarray(y)).max())
-               for x, y in zip(a, b))
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +30,17 @@ def two_workers(tmp_path_factory):
         backup_workers.train, 2, timeout=240, env=QUIET,
         kwargs={"backup_dir": str(backup_dir), **TRAIN})
     return [r.result for r in results]
+
+
+def assert_trains_as(two_workers, env, tmp_path):
+    """Two workers with the environment `env(index)` end with the weights
+    and steps of the launcher's 2-worker run."""
+    results = launcher.run_local_workers(
+        backup_workers.train, 2, timeout=240, env=env,
+        kwargs={"backup_dir": str(tmp_path / "backup"), **TRAIN})
+    for result, full in zip(results, two_workers):
+        assert result.result["iterations"] == full["iterations"] == 9
+        assert max_diff(result.result["weights"], full["weights"]) <= 1e-6
 
 
 def keras_mgpu_launch(*args, timeout=400):
@@ -147,12 +153,7 @@ def test_two_srun_tasks_without_tf_config_train_as_the_launchers_two_workers(
                 "SLURM_STEP_NODELIST": "localhost",
                 "SLURM_STEP_TASKS_PER_NODE": "2"}
 
-    results = launcher.run_local_workers(
-        backup_workers.train, 2, timeout=240, env=env,
-        kwargs={"backup_dir": str(tmp_path / "backup"), **TRAIN})
-    for result, full in zip(results, two_workers):
-        assert result.result["iterations"] == full["iterations"] == 9
-        assert max_diff(result.result["weights"], full["weights"]) <= 1e-6
+    assert_trains_as(two_workers, env, tmp_path)
 
 
 def test_a_tfjob_cluster_with_a_chief_trains_as_two_workers(two_workers,
@@ -169,9 +170,4 @@ def test_a_tfjob_cluster_with_a_chief_trains_as_two_workers(two_workers,
                         "evaluator": [evaluator]},
             "task": task, "environment": "cloud"})}
 
-    results = launcher.run_local_workers(
-        backup_workers.train, 2, timeout=240, env=env,
-        kwargs={"backup_dir": str(tmp_path / "backup"), **TRAIN})
-    for result, full in zip(results, two_workers):
-        assert result.result["iterations"] == full["iterations"] == 9
-        assert max_diff(result.result["weights"], full["weights"]) <= 1e-6
+    assert_trains_as(two_workers, env, tmp_path)

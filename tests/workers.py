@@ -18,6 +18,12 @@ def regression_data(num_samples=NUM_SAMPLES, seed=0):
     return x, y
 
 
+def max_diff(a, b) -> float:
+    """The largest absolute difference between two lists of arrays."""
+    return max(float(np.abs(np.asarray(x) - np.asarray(y)).max())
+               for x, y in zip(a, b))
+
+
 def initial_weights(model, seed=1):
     """Deterministic weights, independent of strategy and creation order."""
     rng = np.random.RandomState(seed)

@@ -5,12 +5,12 @@ processes (`keras_mgpu.launcher`), each killed at a printed step."""
 
 import signal
 
-import numpy as np
 import pytest
 
 from keras_mgpu.callbacks.backup import RESTART_EXIT_CODE
 from keras_mgpu.callbacks.backup import generation as generation_lib
 from tests.backends import backup_workers
+from tests.workers import max_diff
 
 
 def run(run_workers, backup_dir, kill_at=None, kill_signal=signal.SIGKILL,
@@ -24,11 +24,6 @@ def run(run_workers, backup_dir, kill_at=None, kill_signal=signal.SIGKILL,
     return run_workers(backup_workers.train, num_workers,
                        kwargs={"backup_dir": str(backup_dir),
                                "kill_at": kill_at, **kwargs}, **options)
-
-
-def max_diff(a, b):
-    return max(float(np.abs(np.asarray(x) - np.asarray(y)).max())
-               for x, y in zip(a, b))
 
 
 # (accumulation, kills, optimizer steps of 3 epochs of 8 batches). Saves

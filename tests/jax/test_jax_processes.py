@@ -10,11 +10,10 @@ import signal
 import subprocess
 import sys
 
-import numpy as np
-
 from keras_mgpu.callbacks.backup import RESTART_EXIT_CODE
 from keras_mgpu.launcher import free_ports
 from tests.backends import backup_workers
+from tests.workers import max_diff
 
 WORKER = r"""
 import json, os, sys
@@ -90,11 +89,6 @@ def train(run_workers, backup_dir, num_workers, kill_at=None,
     return run_workers(backup_workers.train, num_workers,
                        kwargs={"backup_dir": str(backup_dir),
                                "kill_at": kill_at, **kwargs}, **options)
-
-
-def max_diff(a, b):
-    return max(float(np.abs(np.asarray(x) - np.asarray(y)).max())
-               for x, y in zip(a, b))
 
 
 def test_two_processes_train_and_resume_as_one_process(run_workers,
