@@ -55,6 +55,7 @@ from keras_mgpu.compat.accumulation import loss_scale_apply  # noqa: F401
 from keras_mgpu.compat.accumulation import loss_scale_skip  # noqa: F401
 from keras_mgpu.compat.accumulation import track_loss  # noqa: F401
 from keras_mgpu.compat.jax_trainer import check_jax_accumulation_support  # noqa: F401
+from keras_mgpu.compat.jax_trainer import enable_uneven_last_batches  # noqa: F401
 from keras_mgpu.compat.jax_trainer import update_metrics  # noqa: F401
 from keras_mgpu.compat.callbacks import check_backup_support  # noqa: F401
 from keras_mgpu.compat.callbacks import set_initial_epoch  # noqa: F401

@@ -104,6 +104,19 @@ _JAX_ACCUMULATION = _workaround(
     applied="by `GradientAccumulationModel` on Keras's JAX backend",
     remove_when="Keras exposes a stateless metrics update on its JAX "
     "trainer")
+_UNEVEN_BATCHES = _workaround(
+    "uneven last batches on JAX (keras-team/keras#21167)",
+    upstream=f"{_KERAS}/issues/21167",
+    works_around="under a `keras.distribution` distribution, `fit`, "
+    "`evaluate` and `predict` raise `IndivisibleError` for a batch whose "
+    "size does not divide by the devices of the batch axis (the data's "
+    "last batch); keras-mgpu places such a batch whole on every device "
+    "instead (Keras's `_distribute_data` in "
+    "keras/src/backend/jax/trainer.py)",
+    applied="by `keras_mgpu.compat.enable_uneven_last_batches()`, which "
+    "`GradientAccumulationModel` and keras-mgpu's callbacks call on JAX",
+    remove_when="Keras distributes a batch that does not divide by the "
+    "devices (the issue is closed)")
 _MIXED = _workaround(
     "the mixed-precision audit",
     upstream=f"{_KERAS}/blob/v3.15.1/keras/src/layers/layer.py",

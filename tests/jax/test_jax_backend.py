@@ -132,19 +132,20 @@ def test_the_tuner_scales_batch_and_learning_rate(data_parallel, tmp_path):
     assert math.isfinite(metric("loss"))
 
 
-def _refused(model_class_attr, replacement, monkeypatch):
+def _refused(name, replacement, monkeypatch):
     """Wrapping a model is refused, naming the name, when Keras's JAX
-    trainer lacks `model_class_attr` or has another signature for it."""
-    trainer = next(cls for cls in keras.Model.__mro__
-                   if "_update_metrics_variables" in vars(cls))
+    trainer (its class, or its module for a function) lacks `name` or has
+    another signature for it."""
+    owner = next((cls for cls in keras.Model.__mro__ if name in vars(cls)),
+                 sys.modules["keras.src.backend.jax.trainer"])
     if replacement is None:
-        monkeypatch.delattr(trainer, model_class_attr)
+        monkeypatch.delattr(owner, name)
     else:
-        monkeypatch.setattr(trainer, model_class_attr, replacement)
+        monkeypatch.setattr(owner, name, replacement)
     with pytest.raises(keras_mgpu.compat.KerasInternalsError) as error:
         GradientAccumulationModel(mlp(), accum_steps=2)
     message = str(error.value)
-    assert model_class_attr in message
+    assert name in message
     assert f"Keras {keras.__version__}" in message
     assert f"install keras>={keras_mgpu.compat.TESTED_KERAS.low}" in message
 
@@ -156,7 +157,7 @@ def test_a_jax_trainer_without_what_the_step_needs_is_refused(monkeypatch):
     from tests.test_compat_mutations import _required_names
 
     names = _required_names(modules=lambda path: path.name.startswith("jax_"))
-    assert names == {"_update_metrics_variables"}
+    assert names == {"_update_metrics_variables", "_distribute_data"}
     for name in names:
         with monkeypatch.context() as patch:
             _refused(name, None, patch)

@@ -33,6 +33,7 @@ import keras
 from jax.sharding import PartitionSpec
 
 from keras_mgpu import compat
+from keras_mgpu import strategy as strategy_lib
 from keras_mgpu.backend._accumulation import MIN_LOSS_SCALE
 from keras_mgpu.backend._accumulation import accumulator_dtype
 
@@ -51,7 +52,8 @@ class AccumulationSteps:
         compat.check_jax_accumulation_support()
 
     def _prepare_backend(self):
-        pass
+        # A last batch that does not divide by the devices, placed whole.
+        compat.enable_uneven_last_batches()
 
     def _compiled(self):
         pass
@@ -171,6 +173,12 @@ class AccumulationSteps:
         `psum` across the distribution's batch axis."""
         distribution = keras.distribution.distribution()
         axis = None if distribution is None else distribution.batch_dim_name
+        rows = jax.tree.leaves(data)[0].shape[0]
+        if axis is not None and rows % strategy_lib.num_replicas(
+                distribution):
+            # A short last batch, placed whole on every device
+            # (`enable_uneven_last_batches`): each computes all of it.
+            axis = None
         window_ids = {id(v) for v in self._window_tracked}
         model_indices = [i for i, v in enumerate(self.non_trainable_variables)
                          if id(v) not in window_ids]

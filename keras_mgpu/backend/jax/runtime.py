@@ -89,6 +89,8 @@ class TrainFunctionWrapper:
         loss tracker's sample count and the running `fit`'s epoch
         iterator."""
         model = self.model
+        # A last batch that does not divide by the devices, placed whole.
+        compat.enable_uneven_last_batches()
         compat.examples_count(model)
         epoch_iterator = compat.fit_epoch_iterator(model)
         if epoch_iterator is not None:
