@@ -28,6 +28,11 @@ class Attempt:
         restartable: Whether that ending is worth another attempt.
         returncodes: Each worker's exit status (negative: the signal that
             ended it; workers the launcher stopped show its SIGKILL).
+
+    Example:
+
+    >>> Attempt(1, "worker 1 exit code 143", True, (0, 143)).finished
+    False
     """
 
     number: int
@@ -42,7 +47,18 @@ class Attempt:
 
 @dataclasses.dataclass(frozen=True)
 class LaunchResult:
-    """What `launch` ran: every attempt, and the workers of the last one."""
+    """What `launch` ran: every attempt, and the workers of the last one.
+
+    Args:
+        attempts: Every `Attempt`, first to last.
+        results: The last attempt's `WorkerResult`s, in rank order.
+
+    Example:
+
+    >>> LaunchResult((Attempt(1, "hung", True, (-9, -9)),
+    ...               Attempt(2, "finished", False, (0, 0))), []).restarts
+    1
+    """
 
     attempts: tuple
     results: list
@@ -98,8 +114,22 @@ def backoff_seconds(backoff: float, restart: int) -> float:
     return min(backoff * 2 ** (restart - 1), MAX_BACKOFF_SECONDS)
 
 
-def describe_attempts(attempts: Sequence[Attempt]) -> str:
-    return "; ".join(f"attempt {a.number}: {a.why}" for a in attempts)
+def gave_up(attempts: Sequence[Attempt], restart_codes,
+            max_restarts: int) -> str:
+    """The line `launch` ends with when it stops restarting: how many
+    attempts, why no more, and how each ended."""
+    last = attempts[-1]
+    if not last.restartable:
+        why = ("not restarted: a restart is for a worker a signal ended or "
+               "one that exits with "
+               f"{', '.join(map(str, sorted(restart_codes)))}")
+    else:
+        why = (f"no restarts left: {len(attempts) - 1} of max_restarts="
+               f"{max_restarts} made")
+    each = "; ".join(f"attempt {a.number}: {a.why}" for a in attempts)
+    plural = "s" if len(attempts) > 1 else ""
+    return (f"keras-mgpu launch: gave up after {len(attempts)} attempt"
+            f"{plural} ({why}): {each}.")
 
 
 class ProgressWatchdog:

@@ -47,7 +47,7 @@ from keras_mgpu._launcher_output import _read
 from keras_mgpu import _supervisor
 from keras_mgpu._supervisor import LaunchError  # noqa: F401
 from keras_mgpu._supervisor import LaunchResult
-from keras_mgpu.callbacks.backup.exit_codes import LAUNCH_RESTART_EXIT_CODES  # noqa: E501
+from keras_mgpu.callbacks.backup.exit_codes import LAUNCH_RESTART_EXIT_CODES
 from keras_mgpu.strategy import make_tf_config
 
 RESULT_ENV = "KERAS_MGPU_RESULT"
@@ -241,7 +241,6 @@ def run_local_workers(
     return results
 
 
-
 def launch(
     target: Target,
     num_workers: int = 2,
@@ -325,6 +324,52 @@ def launch(
     >>> [a.why for a in result.attempts], result.restarts
     (['finished'], 0)
     """
+    restart_codes = _check_restarts(max_restarts, restart_exit_codes,
+                                    backoff, hang_timeout, progress_file,
+                                    timeout)
+    if not is_positive_integer(num_workers):
+        raise ValueError(
+            f"num_workers must be a positive integer, got {num_workers!r}.")
+    num_workers = int(num_workers)
+    command = _command(target, _check_kwargs(kwargs), _check_args(args))
+    labels = _check_labels(labels, num_workers)
+    extras = [_check_env(env(i) if callable(env) else env, i, env)
+              for i in range(num_workers)]
+    deadline = None if timeout is None else time.monotonic() + timeout
+    attempts = []
+    while True:
+        number = len(attempts) + 1
+        for extra in extras:
+            extra[ATTEMPT_ENV] = str(number)
+        watchdog = None if progress_file is None else (
+            _supervisor.ProgressWatchdog(progress_file, hang_timeout))
+        left = None if deadline is None else max(
+            deadline - time.monotonic(), 1e-3)
+        results, first, stopped = _run_cluster(
+            command, num_workers, extras, timeout=left, cwd=cwd, echo=echo,
+            labels=labels, watchdog=watchdog)
+        attempt = _supervisor.ending(number, results, first, stopped,
+                                     restart_codes, labels)
+        attempts.append(attempt)
+        if attempt.finished:
+            return LaunchResult(tuple(attempts), results)
+        if not attempt.restartable or number > max_restarts:
+            summary = _supervisor.gave_up(attempts, restart_codes,
+                                          max_restarts)
+            _say(report, summary)
+            raise LaunchError(
+                summary + "\n" + _describe(results, "failed", labels, first),
+                attempts, results, first, _supervisor.exit_code(attempt))
+        wait = _supervisor.backoff_seconds(backoff, number)
+        _say(report, f"keras-mgpu launch: attempt {number} ended: "
+                     f"{attempt.why}. Restarting all {num_workers} workers "
+                     f"in {wait:g} s (restart {number} of {max_restarts}).")
+        time.sleep(wait)
+
+
+def _check_restarts(max_restarts, restart_exit_codes, backoff, hang_timeout,
+                    progress_file, timeout) -> frozenset:
+    """Checks `launch`'s own options; returns the restart codes."""
     if not is_integer(max_restarts) or max_restarts < 0:
         raise ValueError(
             f"max_restarts must be an integer >= 0, got {max_restarts!r}.")
@@ -353,54 +398,7 @@ def launch(
         _check_timeout(hang_timeout, "hang_timeout")
     if timeout is not None:
         _check_timeout(timeout, "timeout")
-    if not is_positive_integer(num_workers):
-        raise ValueError(
-            f"num_workers must be a positive integer, got {num_workers!r}.")
-    num_workers = int(num_workers)
-    command = _command(target, _check_kwargs(kwargs), _check_args(args))
-    labels = _check_labels(labels, num_workers)
-    extras = [_check_env(env(i) if callable(env) else env, i, env)
-              for i in range(num_workers)]
-    deadline = None if timeout is None else time.monotonic() + timeout
-    attempts = []
-    while True:
-        number = len(attempts) + 1
-        for extra in extras:
-            extra[ATTEMPT_ENV] = str(number)
-        watchdog = None if progress_file is None else (
-            _supervisor.ProgressWatchdog(progress_file, hang_timeout))
-        left = None if deadline is None else max(
-            deadline - time.monotonic(), 1e-3)
-        results, first, stopped = _run_cluster(
-            command, num_workers, extras, timeout=left, cwd=cwd, echo=echo,
-            labels=labels, watchdog=watchdog)
-        attempt = _supervisor.ending(number, results, first, stopped,
-                                     restart_codes, labels)
-        attempts.append(attempt)
-        if attempt.finished:
-            return LaunchResult(tuple(attempts), results)
-        restarts = number - 1
-        if not attempt.restartable or restarts >= max_restarts:
-            if not attempt.restartable:
-                why = ("not restarted: a restart is for a worker a signal "
-                       "ended or one that exits with "
-                       f"{', '.join(map(str, sorted(restart_codes)))}")
-            else:
-                why = (f"no restarts left: {restarts} of max_restarts="
-                       f"{max_restarts} made")
-            message = (
-                f"keras-mgpu launch: gave up after {number} attempt"
-                f"{'s' if number > 1 else ''} ({why}): "
-                f"{_supervisor.describe_attempts(attempts)}.\n"
-                + _describe(results, "failed", labels, first))
-            _say(report, message.splitlines()[0])
-            raise LaunchError(message, attempts, results, first,
-                              _supervisor.exit_code(attempt))
-        wait = _supervisor.backoff_seconds(backoff, number)
-        _say(report, f"keras-mgpu launch: attempt {number} ended: "
-                     f"{attempt.why}. Restarting all {num_workers} workers "
-                     f"in {wait:g} s (restart {number} of {max_restarts}).")
-        time.sleep(wait)
+    return restart_codes
 
 
 def _say(stream: Optional[TextIO], line: str) -> None:

@@ -12,7 +12,7 @@ import sys
 
 from keras_mgpu.callbacks.backup import RESTART_EXIT_CODE
 from keras_mgpu.launcher import free_ports
-from tests.backends import backup_workers
+from tests.jax import backup_workers
 from tests.workers import max_diff
 
 WORKER = r"""

@@ -1,15 +1,17 @@
-"""BackupAndRestore on the active Keras backend, 2 replicas: a run
-SIGKILLed mid-epoch and run again ends with the weights and optimizer steps
-of the run that was never killed. Real processes (`keras_mgpu.launcher`),
-each killed at a printed step. (SIGTERM: tests/test_backup_and_restore.py
-on TensorFlow, tests/jax/test_jax_processes.py across JAX processes.)"""
+"""BackupAndRestore on JAX, 2 devices: a run SIGKILLed mid-epoch and run
+again ends with the weights and optimizer steps of the run that was never
+killed. Real processes (`keras_mgpu.launcher`), each killed at a printed
+step (`backup_workers.py`). TensorFlow's kill tests of the same cases
+(plain, window accumulation mid-window, in-step) are in
+tests/test_backup_and_restore.py and tests/test_runtime.py; SIGTERM across
+JAX processes is in test_jax_processes.py."""
 
 import signal
 
 import pytest
 
 from keras_mgpu.callbacks.backup import generation as generation_lib
-from tests.backends import backup_workers
+from tests.jax import backup_workers
 from tests.workers import max_diff
 
 

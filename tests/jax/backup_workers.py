@@ -1,12 +1,10 @@
-"""Training programs for the backup's crash-and-resume tests on either Keras
-backend (the one `KERAS_BACKEND` names in the worker's environment).
+"""Training programs for the backup's crash-and-resume tests on JAX.
 
-Each is a worker entry point (run by `keras_mgpu.launcher`): it trains on 2
-replicas (a MirroredStrategy over 2 logical CPUs on TensorFlow; on JAX a
-`DataParallel` over the 2 host devices `XLA_FLAGS` forces, or over one
-device in each of 2 processes of `jax.distributed`), prints `STEP <n>;`
-after every batch so that a test can kill it there, and returns the final
-weights and optimizer steps.
+Each is a worker entry point (run by `keras_mgpu.launcher`, with
+`KERAS_BACKEND=jax`): it trains on 2 replicas (a `DataParallel` over the 2
+host devices `XLA_FLAGS` forces, or over one device in each of 2 processes
+of `jax.distributed`), prints `STEP <n>;` after every batch so that a test
+can kill it there, and returns the final weights and optimizer steps.
 """
 
 import json
@@ -22,7 +20,7 @@ GLOBAL_BATCH = 16
 
 
 def join_processes() -> tuple:
-    """On JAX with a `TF_CONFIG` of several workers (the launcher's): joins
+    """With a `TF_CONFIG` of several workers (the launcher's): joins
     `jax.distributed` at the first worker's address, one process per
     worker; (this process's index, processes)."""
     config = json.loads(os.environ.get("TF_CONFIG") or "{}")
@@ -39,36 +37,27 @@ def join_processes() -> tuple:
 
 
 def two_replica_scope(model_parallel=False):
-    """The scope of this backend's 2 replicas, across this process's
-    devices (or the processes' devices, one each). `model_parallel` (JAX):
-    instead, one replica whose hidden layer is split over the 2 devices
-    (its kernel's columns: half in each process when there are 2)."""
+    """The scope of 2 replicas across this process's devices (or the
+    processes' devices, one each). `model_parallel`: instead, one replica
+    whose hidden layer is split over the 2 devices (its kernel's columns:
+    half in each process when there are 2)."""
+    import jax
     import keras
 
-    if keras.backend.backend() == "jax":
-        import jax
-
-        devices = jax.devices()[:2]
-        if model_parallel:
-            mesh = keras.distribution.DeviceMesh((1, 2), ("batch", "model"),
-                                                 devices)
-            layouts = keras.distribution.LayoutMap(mesh)
-            layouts[".*hidden/kernel"] = (None, "model")
-            distribution = keras.distribution.ModelParallel(
-                layout_map=layouts, batch_dim_name="batch")
-        else:
-            distribution = keras.distribution.DataParallel(devices=devices)
-        # Each process feeds its own rows (`train` picks them).
-        distribution.auto_shard_dataset = False
-        keras.distribution.set_distribution(distribution)
-        return distribution.scope()
-    import tensorflow as tf
-
-    from keras_mgpu import strategy as strategy_lib
-
-    strategy_lib.configure_virtual_cpus(2)
-    devices = [d.name for d in tf.config.list_logical_devices("CPU")[:2]]
-    return tf.distribute.MirroredStrategy(devices).scope()
+    devices = jax.devices()[:2]
+    if model_parallel:
+        mesh = keras.distribution.DeviceMesh((1, 2), ("batch", "model"),
+                                             devices)
+        layouts = keras.distribution.LayoutMap(mesh)
+        layouts[".*hidden/kernel"] = (None, "model")
+        distribution = keras.distribution.ModelParallel(
+            layout_map=layouts, batch_dim_name="batch")
+    else:
+        distribution = keras.distribution.DataParallel(devices=devices)
+    # Each process feeds its own rows (`train` picks them).
+    distribution.auto_shard_dataset = False
+    keras.distribution.set_distribution(distribution)
+    return distribution.scope()
 
 
 def train(backup_dir, accum_steps=None, mode="window", kill_at=None,
@@ -144,10 +133,6 @@ def train(backup_dir, accum_steps=None, mode="window", kill_at=None,
 def whole_weights(model) -> list:
     """The model's weights as host arrays, each whole where its shards lie
     in several processes (gathered from all: every process calls this)."""
-    import keras
-
-    if keras.backend.backend() != "jax":
-        return model.get_weights()
     from jax.experimental import multihost_utils
 
     return [np.asarray(multihost_utils.process_allgather(v.value, tiled=True))
