@@ -28,6 +28,8 @@ class Attempt:
         restartable: Whether that ending is worth another attempt.
         returncodes: Each worker's exit status (negative: the signal that
             ended it; workers the launcher stopped show its SIGKILL).
+        failed: The indices of the workers whose failure ended it (empty
+            when it finished, or when the watchdog stopped every worker).
 
     Example:
 
@@ -39,6 +41,7 @@ class Attempt:
     why: str
     restartable: bool
     returncodes: tuple
+    failed: tuple = ()
 
     @property
     def finished(self) -> bool:
@@ -97,13 +100,17 @@ def ending(number: int, results: Sequence[WorkerResult], first: Sequence[int],
                     for r in failed)
     restartable = all(r.returncode < 0 or r.returncode in restart_codes
                       for r in failed)
-    return Attempt(number, why, restartable, codes)
+    return Attempt(number, why, restartable, codes,
+                   tuple(r.index for r in failed))
 
 
 def exit_code(attempt: Attempt) -> int:
-    """The status a shell reports for the attempt's first failure: its
-    exit code, or 128 + the signal that ended it."""
-    for code in attempt.returncodes:
+    """The status a shell reports for the attempt's first failure (not a
+    worker the launcher stopped after it): its exit code, or 128 + the
+    signal that ended it."""
+    codes = [attempt.returncodes[i] for i in attempt.failed] or [
+        c for c in attempt.returncodes if c]
+    for code in codes:
         if code is not None and code != 0:
             return 128 - code if code < 0 else code
     return 1

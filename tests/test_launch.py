@@ -171,3 +171,18 @@ def test_a_tfjob_cluster_with_a_chief_trains_as_two_workers(two_workers,
             "task": task, "environment": "cloud"})}
 
     assert_trains_as(two_workers, env, tmp_path)
+
+
+def test_the_exit_code_is_the_failing_workers_not_a_stopped_ones():
+    # Worker 1 fails with 3 while worker 0 still runs: the launcher stops
+    # worker 0 (SIGKILL, 137 to a shell), and the failure's code is 3.
+    program = ("import json, os, sys, threading\n"
+               "if json.loads(os.environ['TF_CONFIG'])['task']['index']:\n"
+               "    sys.exit(3)\n"
+               "threading.Event().wait(600)\n")
+    with pytest.raises(launcher.LaunchError) as error:
+        launcher.launch([sys.executable, "-c", program], 2, timeout=300)
+    (attempt,) = error.value.attempts
+    assert attempt.returncodes == (-signal.SIGKILL, 3)
+    assert attempt.failed == (1,) and not attempt.restartable
+    assert error.value.exit_code == 3
