@@ -217,18 +217,11 @@ def run_local_workers(
     >>> [(r.index, r.returncode, r.result) for r in results]
     [(0, 0, 'CPython'), (1, 0, 'CPython')]
     """
-    if not is_positive_integer(num_workers):
-        raise ValueError(
-            f"num_workers must be a positive integer, got {num_workers!r}."
-        )
-    num_workers = int(num_workers)
+    num_workers = _worker_count(num_workers)
     to_kill = _check_options(timeout, kill_when_printed, kill_workers,
-                             num_workers, kill_signal, check, cwd)
-    command = _command(target, _check_kwargs(kwargs), _check_args(args))
-    labels = _check_labels(labels, num_workers)
-    # A bad environment fails Popen for one worker after the others started.
-    extras = [_check_env(env(i) if callable(env) else env, i, env)
-              for i in range(num_workers)]
+                             num_workers, kill_signal, check)
+    command, labels, extras = _worker_setup(
+        target, num_workers, kwargs, args, env, cwd, labels)
     results, first, _ = _run_cluster(
         command, num_workers, extras, timeout=timeout, cwd=cwd,
         marker=kill_when_printed, to_kill=to_kill, kill_signal=kill_signal,
@@ -327,14 +320,9 @@ def launch(
     restart_codes = _check_restarts(max_restarts, restart_exit_codes,
                                     backoff, hang_timeout, progress_file,
                                     timeout)
-    if not is_positive_integer(num_workers):
-        raise ValueError(
-            f"num_workers must be a positive integer, got {num_workers!r}.")
-    num_workers = int(num_workers)
-    command = _command(target, _check_kwargs(kwargs), _check_args(args))
-    labels = _check_labels(labels, num_workers)
-    extras = [_check_env(env(i) if callable(env) else env, i, env)
-              for i in range(num_workers)]
+    num_workers = _worker_count(num_workers)
+    command, labels, extras = _worker_setup(
+        target, num_workers, kwargs, args, env, cwd, labels)
     deadline = None if timeout is None else time.monotonic() + timeout
     attempts = []
     while True:
@@ -472,8 +460,38 @@ def _run_cluster(command: list, num_workers: int, extras: list, *,
     return results, first, stop_reason
 
 
+def _worker_count(num_workers) -> int:
+    if not is_positive_integer(num_workers):
+        raise ValueError(
+            f"num_workers must be a positive integer, got {num_workers!r}."
+        )
+    return int(num_workers)
+
+
+def _worker_setup(target, num_workers: int, kwargs, args, env, cwd,
+                  labels) -> tuple:
+    """Checks what every cluster run starts its workers with; returns (the
+    command, the labels, each worker's extra environment)."""
+    if cwd is not None:
+        if not is_nonempty_path(cwd):
+            raise TypeError(
+                f"cwd must be a directory path or None, got {cwd!r}."
+            )
+        if not os.path.isdir(cwd):
+            raise FileNotFoundError(
+                f"cwd {os.fspath(cwd)!r} is not a directory. Create it, or "
+                "pass an existing one."
+            )
+    command = _command(target, _check_kwargs(kwargs), _check_args(args))
+    labels = _check_labels(labels, num_workers)
+    # A bad environment fails Popen for one worker after the others started.
+    extras = [_check_env(env(i) if callable(env) else env, i, env)
+              for i in range(num_workers)]
+    return command, labels, extras
+
+
 def _check_options(timeout, marker, kill_workers, num_workers, kill_signal,
-                   check, cwd) -> set:
+                   check) -> set:
     """Checks the scalar options; returns the indices to kill on `marker`."""
     _check_timeout(timeout, "timeout", " Pass a number, e.g. timeout=300: "
                    "every cluster run has a deadline, so a hung worker "
@@ -524,16 +542,6 @@ def _check_options(timeout, marker, kill_workers, num_workers, kill_signal,
             f"check must be True or False, got {check!r} (a non-empty string "
             "such as 'false' would count as True)."
         )
-    if cwd is not None:
-        if not is_nonempty_path(cwd):
-            raise TypeError(
-                f"cwd must be a directory path or None, got {cwd!r}."
-            )
-        if not os.path.isdir(cwd):
-            raise FileNotFoundError(
-                f"cwd {os.fspath(cwd)!r} is not a directory. Create it, or "
-                "pass an existing one."
-            )
     return to_kill
 
 

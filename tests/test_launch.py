@@ -128,6 +128,13 @@ def test_bad_launch_options_are_refused_before_anything_starts(bad, message):
         launcher.launch([sys.executable, "-c", "pass"], 2, **bad)
 
 
+def test_a_missing_working_directory_is_refused_before_anything_starts(
+        tmp_path):
+    with pytest.raises(FileNotFoundError, match="is not a directory"):
+        launcher.launch([sys.executable, "-c", "pass"], 2,
+                        cwd=str(tmp_path / "missing"))
+
+
 def _free_slurm_job() -> int:
     """A job id whose first 2 ports are free here now."""
     for job in range(1, 600):
