@@ -50,9 +50,9 @@ class WeightsLayout:
         buffers = None if into is None else (
             array for _, _, values in into for _, array in values)
         store = self._store_class(buffers=buffers, to_host=to_host)
-        for path, metadata, saveable in self._saveables:
+        for path, metadata, saveable, by_variables in self._saveables:
             entry = store.make(path, metadata=metadata)
-            if _saves_through_numpy(saveable):
+            if by_variables:
                 # The same entries, the variables given to `to_host`.
                 for i, variable in enumerate(saveable.variables):
                     entry[str(i)] = variable
@@ -125,14 +125,14 @@ def weights_layout(model) -> WeightsLayout:
     objects = _saveables_of(model)
     # Only the paths are wanted: no optimizer reads its variables (which
     # on JAX fails for one split over several processes).
-    quiet = [o for o in objects.values() if _saves_through_numpy(o)]
-    for saveable in quiet:
+    quiet = {key: o for key, o in objects.items() if _saves_through_numpy(o)}
+    for saveable in quiet.values():
         saveable.save_own_variables = _no_values
     try:
         save_state(model, weights_store=finder, assets_store=None,
                    inner_path="", visited_saveables=visits)
     finally:
-        for saveable in quiet:
+        for saveable in quiet.values():
             del saveable.save_own_variables
     if len(visits.made) != len(finder.entries):
         raise _internals_error(
@@ -146,7 +146,9 @@ def weights_layout(model) -> WeightsLayout:
             raise _internals_error(
                 f"`{_SAVING_LIB}._walk_saveable` reaching the object saved "
                 f"at {path!r} as `_save_state` does", _BACKUP)
-        saveables.append((path, metadata, objects[key]))
+        # Whether it saves through `.numpy()`: found once here, not at
+        # every save.
+        saveables.append((path, metadata, objects[key], key in quiet))
     return WeightsLayout(saveables, store_class)
 
 
