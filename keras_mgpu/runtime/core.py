@@ -288,8 +288,9 @@ class TrainingRuntime(_backend.TrainFunctionWrapper, ResumeSkipping,
 
     # --- helpers -------------------------------------------------------------
 
-    # What each backend's train-function wrapper shares: finding Keras's
-    # function, putting it back, and telling the runtime of a call.
+    # What each backend's train-function wrapper (and the resume's
+    # skipping) shares: finding Keras's function, putting it back, training
+    # at most some batches in one call, and telling the runtime of a call.
 
     def _take_train_function(self):
         """Keras's train function, to wrap now (unwrapped, where another
@@ -309,6 +310,27 @@ class TrainingRuntime(_backend.TrainFunctionWrapper, ResumeSkipping,
             return function(*args)
         with scope():
             return function(*args)
+
+    def _train_batches(self, run: Callable, iterator, limit: int):
+        """Trains at most `limit` batches of `iterator` in one call of
+        `run(batches)` (the train function's own loop over a Python
+        iterator, as for `train_on_batch`): (what it returned, batches
+        trained). Raises StopIteration when the data has none left."""
+        first = self._next_batch(iterator)
+        count = [1]
+
+        def batches():
+            yield first
+            for _ in range(limit - 1):
+                try:
+                    element = self._next_batch(iterator)
+                except StopIteration:
+                    return
+                count[0] += 1
+                yield element
+
+        result = run(batches())
+        return result, count[0]
 
     def _put_back_train_function(self) -> None:
         model = self.model

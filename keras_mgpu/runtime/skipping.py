@@ -88,27 +88,6 @@ class ResumeSkipping:
             return None, read, 0
         return result, read + trained, trained
 
-    def _train_batches(self, run: Callable, iterator, limit: int):
-        """Trains at most `limit` batches of `iterator` in one call of
-        `run(batches)` (the train function's own loop over a Python
-        iterator, as for `train_on_batch`): (what it returned, batches
-        trained). Raises StopIteration when the data has none left."""
-        first = self._next_batch(iterator)
-        count = [1]
-
-        def batches():
-            yield first
-            for _ in range(limit - 1):
-                try:
-                    element = self._next_batch(iterator)
-                except StopIteration:
-                    return
-                count[0] += 1
-                yield element
-
-        result = run(batches())
-        return result, count[0]
-
     def _skip_samples_of(self, element) -> None:
         """Counts a skipped batch's samples; refuses the resume when this
         run's batches cannot end where the saved run's did."""
