@@ -74,7 +74,11 @@ class LossScaleMonitor(RuntimeCallback):
     Warns (`warnings.warn`, `RuntimeWarning`) when the scale falls below
     `min_scale` and when `max_consecutive_skips` steps in a row are skipped,
     once per occurrence. Reads three scalars from the device per batch, and
-    two per `FP32OutputHead`.
+    two per `FP32OutputHead`. So it is not `async_safe`: its batch end adds
+    them to that batch's logs and counts skips batch by batch, in order,
+    which on JAX makes Keras wait for each step before the next one is
+    dispatched (add it where the loss scale needs watching per batch; the
+    logger's records carry the same figures per window without that wait).
 
     Args:
         min_scale: Defaults to 1.0. Warn when the loss scale drops below it:

@@ -68,6 +68,7 @@ from keras_mgpu.compat.keras_trainer import active_trainer_module  # noqa: F401
 from keras_mgpu.compat.keras_trainer import enable_multi_step_fit  # noqa: F401
 from keras_mgpu.compat.keras_trainer import enable_multi_worker_fit  # noqa: F401
 from keras_mgpu.compat.keras_trainer import multi_step_fit_enabled  # noqa: F401
+from keras_mgpu.compat.fit_context import given_to_running_fit  # noqa: F401
 from keras_mgpu.compat.keras_trainer import multi_worker_fit_enabled  # noqa: F401
 from keras_mgpu.compat.keras_trainer import trainer_class  # noqa: F401
 from keras_mgpu.compat.keras_tuner import TUNER_IDS_ENV  # noqa: F401

@@ -144,6 +144,14 @@ def running_fit(model) -> Optional[RunningFit]:
     return None
 
 
+def given_to_running_fit(callback) -> bool:
+    """Whether `callback` is among the callbacks of a `fit` running on
+    this thread (Keras reads a callback's `async_safe` as `fit` makes its
+    `CallbackList`, before any hook runs)."""
+    return any(any(c is callback for c in fit.callbacks)
+               for fit in _running())
+
+
 def _flat_callbacks(callbacks) -> list:
     if callbacks is None:
         return []

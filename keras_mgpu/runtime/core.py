@@ -18,6 +18,7 @@ function then: nothing to wrap, the counters still count).
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Callable, ContextManager, Optional
 
@@ -118,6 +119,9 @@ class TrainingRuntime(_backend.TrainFunctionWrapper, ResumeSkipping,
         # batches it reads as predicted before it runs.
         self._batch_begin = 0
         self._call_steps = 1
+        # Keras on JAX runs the batch ends of `async_safe` callbacks on
+        # other threads, possibly after the next batch began.
+        self._batch_lock = threading.Lock()
         # What a resume skips (a `_Skip`), until it is done.
         self._skip = None
         # The data iterator being read and the batches read from it; with
@@ -203,17 +207,22 @@ class TrainingRuntime(_backend.TrainFunctionWrapper, ResumeSkipping,
         skipped = 0
         if self._skip is not None:
             skipped = min(steps, max(self._skip.batches - batch, 0))
-        self._steps_before_batch = self.global_step
-        self._in_batch = True
+        with self._batch_lock:
+            self._steps_before_batch = self.global_step
+            self._in_batch = True
+            self._batch_begin = batch
         self._epoch_open = True
-        self._batch_begin = batch
         self._call_steps = steps
         self.epoch_step = batch + steps
         self.batch_trains = steps > skipped
         self.global_step += steps - skipped
 
     def train_batch_end(self, batch: int) -> None:
-        self._in_batch = False
+        # Only the end of the call in progress closes it: an end that Keras
+        # dispatched late (after the next batch began) is stale.
+        with self._batch_lock:
+            if batch >= self._batch_begin:
+                self._in_batch = False
 
     def test_begin(self) -> None:
         """Validation inside `fit` resets the metrics: count the epoch's

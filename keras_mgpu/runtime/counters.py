@@ -137,7 +137,7 @@ class _RuntimeCounters:
         applied = _int(values["applied"])
         attempted = _int(values["attempted"])
         if attempted is None:
-            attempted = self.completed_steps
+            attempted = self._plain_updates()
         skipped = None
         if applied is not None:
             if self._updates_offset is None:
@@ -153,6 +153,14 @@ class _RuntimeCounters:
             resumes=tuple(self.resumes),
         )
 
+    def _plain_updates(self) -> int:
+        """The updates a model without accumulation windows attempted: one
+        per batch, or per `gradient_accumulation_steps` batches with
+        Keras's own accumulation."""
+        optimizer = getattr(self.model, "optimizer", None)
+        steps = getattr(optimizer, "gradient_accumulation_steps", None) or 1
+        return self.completed_steps // int(steps)
+
     def update_counts(self) -> tuple:
         """(attempted, applied) optimizer updates so far; two scalar reads.
         Applied is None without an optimizer."""
@@ -163,10 +171,12 @@ class _RuntimeCounters:
         # counts its windows.
         attempted = getattr(model, "update_count", None)
         if attempted is None:
-            attempted = self.completed_steps
+            attempted = self._plain_updates()
         if optimizer is None:
             return attempted, None
-        return attempted, int(optimizer.iterations.numpy())
+        # Not `.numpy()`: with Keras's own `gradient_accumulation_steps`,
+        # `iterations` is a computed value (a plain array on JAX).
+        return attempted, int(keras.ops.convert_to_numpy(optimizer.iterations))
 
     # --- saving and resuming (BackupAndRestore) ------------------------------
 

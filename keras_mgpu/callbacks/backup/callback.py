@@ -137,6 +137,12 @@ class BackupAndRestore(RuntimeCallback):
     variable split over devices of other processes (`ModelParallel`) is
     gathered from them for the save.
 
+    Not `async_safe`: a save at a batch end copies the state that batch
+    left, and a SIGTERM stops the run there, so its batch ends run in
+    order on the training thread. On JAX that makes Keras wait for each
+    step before dispatching the next (Keras's own `BackupAndRestore` does
+    the same); `docs/benchmarks.md` gives the cost.
+
     An epoch's end is saved in `on_epoch_end`, as Keras saves it. If a
     stateful callback comes after this callback in the list, it is saved
     when the next epoch begins instead, once its `on_epoch_end` has set the

@@ -85,11 +85,15 @@ class DistributedLogger(RuntimeCallback):
       compiled again;
     - `resume`: text at each resume.
 
-    Cost: nothing is read from the device between records. The callback
-    only hooks batch *begin*, so Keras does not convert per-batch logs for
-    it and may dispatch other callbacks' batch ends asynchronously. A record
+    Cost: nothing is read from the device between records. A record
     closes at the next batch's begin (or at validation/epoch end): it reads
-    the metrics, which waits for the device, then stamps the time.
+    the metrics, which waits for the device, then stamps the time. Inside
+    `fit` its batch end only closes the runtime's count of the batch, in
+    any order and on any thread, so it declares `async_safe`: on JAX, Keras
+    then keeps dispatching batch ends asynchronously (the host does not
+    wait for each step) unless another callback needs them in order. In a
+    hand-written loop it is not `async_safe`: there its batch end takes
+    the loop's logs, which a record needs in order.
 
     Durability: a local JSONL file gets each record's line as the record
     closes, written and flushed to the operating system by the training
@@ -348,10 +352,16 @@ class DistributedLogger(RuntimeCallback):
                 now = time.perf_counter()
         progress.last_begin = now
 
+    @property
+    def async_safe(self) -> bool:
+        """Whether Keras may run this callback's batch ends on another
+        thread, late (JAX's asynchronous dispatch): inside `fit`, yes."""
+        return compat.given_to_running_fit(self)
+
     def on_train_batch_end(self, batch, logs=None):
-        # In `fit`, nothing: a record reads the compiled step. Keras calls
-        # batch ends in order, before the next batch begins (on TensorFlow
-        # it never dispatches them to another thread).
+        # In `fit`, nothing but the runtime's end of the call (which
+        # tolerates a late end on another thread): a record reads the
+        # compiled step. A hand-written loop's logs are taken in order.
         super().on_train_batch_end(batch, logs)
         self._hand_loop.batch_end(self._progress.epoch, batch, logs)
 

@@ -87,7 +87,10 @@ def _reader_key(model, runtime) -> tuple:
     return (
         id(model), id(getattr(model, "optimizer", None)),
         tuple(id(m) for m in getattr(model, "metrics", [])),
-        tuple(id(v) for v in runtime.counter_variables().values()),
+        # `applied` is the optimizer's `iterations` (the optimizer is keyed
+        # above): with Keras's own accumulation a new value at every read.
+        tuple(id(v) for key, v in runtime.counter_variables().items()
+              if key != "applied"),
         id(window.get("grad_norm")),
     )
 
