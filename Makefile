@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 ID := $(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 LOGDIR ?= runs/demo/logs
 
-.PHONY: demo test test-jax check matrix tensorboard wheel venv clean
+.PHONY: demo test test-jax check matrix models tensorboard wheel venv clean
 
 $(PY):
 	@$(PYTHON) -c 'import sys; sys.exit("keras-mgpu needs Python 3.10+, found " + sys.version.split()[0]) if sys.version_info < (3, 10) else None'
@@ -20,22 +20,23 @@ $(VENV)/.installed-%-$(ID): pyproject.toml | $(PY)
 	rm -f $(VENV)/.installed-$*-*
 	touch $@
 
-venv: $(VENV)/.installed-test-$(ID)
+venv: $(VENV)/.installed-dev-$(ID)
 
 demo: $(VENV)/.installed-demo-$(ID)
 	$(PY) examples/demo.py $(DEMO_ARGS)
 
 # The whole suite on Keras's TensorFlow backend, then the tests that run
-# on either backend (tests/backends/) and JAX's own (tests/jax/) on the JAX
-# backend, over 2 forced host devices.
+# on either backend (tests/backends/, the models matrix's tests/models/)
+# and JAX's own (tests/jax/) on the JAX backend, over 2 forced host
+# devices. Both run the matrix's CI models; `make models` runs them all.
 JAX_ENV := KERAS_BACKEND=jax XLA_FLAGS=--xla_force_host_platform_device_count=2
-JAX_TESTS := tests/backends tests/jax
-test: $(VENV)/.installed-test-$(ID)
+JAX_TESTS := tests/backends tests/models tests/jax
+test: $(VENV)/.installed-dev-$(ID)
 	$(PY) -m pytest -n 2 --dist loadfile $(PYTEST_ARGS)
 	$(JAX_ENV) $(PY) -m pytest -n 2 --dist loadfile $(JAX_TESTS)
 
 # The JAX backend's run alone.
-test-jax: $(VENV)/.installed-test-$(ID)
+test-jax: $(VENV)/.installed-dev-$(ID)
 	$(JAX_ENV) $(PY) -m pytest -n 2 --dist loadfile $(JAX_TESTS) $(PYTEST_ARGS)
 
 # The fast tier: the unit tests of the pieces that need no training run (the
@@ -46,12 +47,17 @@ CHECK_TESTS := tests/test_backup_store.py tests/test_backup_lock.py \
 	tests/test_callback_state.py tests/test_compat.py tests/test_cli.py \
 	tests/test_strategy.py tests/test_collectives.py tests/test_imports.py \
 	tests/test_docstrings.py tests/test_fs.py tests/test_sinks.py
-check: $(VENV)/.installed-test-$(ID)
+check: $(VENV)/.installed-dev-$(ID)
 	$(PY) -m pytest -n 2 --dist loadfile -k "not end_to_end" $(CHECK_TESTS) $(PYTEST_ARGS)
+
+# Every model of the tested-models matrix on both backends (noxfile.py's
+# `models` session; about an hour on 2 cores).
+models: $(VENV)/.installed-dev-$(ID)
+	$(VENV)/bin/nox -s models
 
 # The distribution-critical tests on the oldest and newest supported
 # TensorFlow/Keras pairs (noxfile.py); NOX_ARGS="-s oldest" runs one.
-matrix: $(VENV)/.installed-test-$(ID)
+matrix: $(VENV)/.installed-dev-$(ID)
 	$(VENV)/bin/nox $(NOX_ARGS)
 
 # The demo's logs (or LOGDIR=...), served on http://localhost:6006.

@@ -5,6 +5,7 @@ newest TensorFlow/Keras pair keras-mgpu supports.
     .venv/bin/nox -s newest      # TensorFlow 2.21.0 + Keras 3.15.1
     .venv/bin/nox -s nightly     # the newest TensorFlow + keras-nightly
     .venv/bin/nox -s jax         # the JAX backend, with the `jax` extra
+    .venv/bin/nox -s models      # every model of tests/models/, both backends
     make matrix                  # oldest and newest
 
 Each session builds its own virtual environment under `.nox/`. A new pair
@@ -143,14 +144,28 @@ def nightly(session: nox.Session) -> None:
 
 
 # The tests that run on either Keras backend, and the JAX backend's own.
-JAX_TESTS = ["tests/backends", "tests/jax"]
+JAX_TESTS = ["tests/backends", "tests/models", "tests/jax"]
+
+
+@nox.session
+def models(session: nox.Session) -> None:
+    """The whole tested-models matrix (tests/models/: every model, not
+    only `.ci/run`'s two) on the TensorFlow backend, then on JAX."""
+    session.install("-e", ".[dev]")
+    every = ["-m", "", *(session.posargs or ["tests/models"])]
+    session.run("python", "-m", "pytest", "-n", "2", "--dist", "load",
+                *every, env={"TF_CPP_MIN_LOG_LEVEL": "2"})
+    session.run("python", "-m", "pytest", "-n", "2", "--dist", "load",
+                *every,
+                env={"KERAS_BACKEND": "jax", "TF_CPP_MIN_LOG_LEVEL": "2",
+                     "XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
 
 
 @nox.session
 def jax(session: nox.Session) -> None:
     """The JAX backend's tests (KERAS_BACKEND=jax, 2 forced host devices)
     in a fresh environment with the `jax` extra: what a JAX user installs."""
-    session.install("-e", ".[jax,tuner]", "pytest>=7", "pytest-xdist>=3")
+    session.install("-e", ".[jax,tuner,models]", "pytest>=7", "pytest-xdist>=3")
     session.run("python", "-m", "pip", "check")
     session.run("python", "-m", "pytest", "-n", "2", "--dist", "loadfile",
                 *(session.posargs or JAX_TESTS),

@@ -178,9 +178,13 @@ def audit(model: keras.Model, *, strict: bool = False) -> list[Finding]:
     - model outputs that are not float32;
     - softmax, sigmoid, log- and exp-type activations computed in float16 or
       bfloat16;
-    - a cross-entropy loss with `from_logits=False` fed by a half-precision
-      softmax/sigmoid (the cast to float32 before the loss hides the logits,
-      so the loss clips probabilities instead);
+    - a cross-entropy loss with `from_logits=False` whose loss would clip
+      probabilities where logits were available: fed by a half-precision
+      softmax/sigmoid (the cast to float32 before the loss hides the
+      logits), by a float32 one after half-precision layers on a backend
+      whose losses do not recover Keras's own activations' logits (JAX),
+      or by an `FP32OutputHead` whose logits this Keras's losses cannot be
+      given (measured on the active backend);
     - under float16, a compiled optimizer that is not a `LossScaleOptimizer`;
     - custom layers computing in half precision that read float32 variables
       without casting them (`autocast=False` on the layer or the variable).
@@ -210,7 +214,7 @@ def audit(model: keras.Model, *, strict: bool = False) -> list[Finding]:
     findings = []
     findings += _check_outputs(model)
     findings += _check_activations(layers)
-    findings += _check_loss(model)
+    findings += _check_loss(model, layers)
     findings += _check_optimizer(model, layers)
     findings += _check_custom_variables(layers)
     if strict and findings:
@@ -310,7 +314,7 @@ def _crossentropy_kind(loss) -> tuple[str | None, bool]:
     return _CROSSENTROPY_LOSSES.get(name), False
 
 
-def _check_loss(model) -> list[Finding]:
+def _check_loss(model, layers) -> list[Finding]:
     loss = getattr(model, "loss", None)
     if loss is None:
         return []
@@ -321,28 +325,65 @@ def _check_loss(model) -> list[Finding]:
         layer = compat.producing_layer(output)
         if wants is None or from_logits or layer is None:
             continue
-        if isinstance(layer, FP32OutputHead):
+        activation = _activation_name(layer)
+        if activation not in ("softmax", "sigmoid"):
             continue
-        if (
-            _activation_name(layer) in ("softmax", "sigmoid")
-            and getattr(layer, "compute_dtype", None) in HALF_DTYPES
-        ):
-            findings.append(
-                Finding(
-                    layer=layer.name,
-                    problem=(
-                        f"loss gets {layer.compute_dtype} probabilities where "
-                        "logits were available: the cast to float32 hides "
-                        "the logits, so the cross-entropy clips probabilities"
-                    ),
-                    fix=(
-                        "use keras_mgpu.layers.FP32OutputHead(units, "
-                        f"activation='{_activation_name(layer)}'), or a linear "
-                        "last layer with from_logits=True"
-                    ),
-                )
-            )
+        finding = _clipped_probabilities(layer, activation, layers)
+        if finding is not None:
+            findings.append(finding)
     return findings
+
+
+def _clipped_probabilities(layer, activation, layers) -> Finding | None:
+    """The finding for a cross-entropy (`from_logits=False`) fed by
+    `layer`'s `activation` output, if that loss clips probabilities where
+    the logits were available; else None."""
+    fix = ("use keras_mgpu.layers.FP32OutputHead(units, "
+           f"activation='{activation}'), or a linear last layer with "
+           "from_logits=True")
+    if isinstance(layer, FP32OutputHead):
+        problem = compat.attached_logits_problem()
+        if problem is None:
+            return None
+        return Finding(
+            layer=layer.name,
+            problem=(
+                "loss gets the head's probabilities, not its float32 "
+                f"logits: {problem}, so the cross-entropy clips "
+                "probabilities"
+            ),
+            fix=("give the head activation=None and the loss "
+                 "from_logits=True, or install a Keras keras-mgpu was "
+                 "tested with"),
+        )
+    dtype = getattr(layer, "compute_dtype", None)
+    if dtype in HALF_DTYPES:
+        return Finding(
+            layer=layer.name,
+            problem=(
+                f"loss gets {dtype} probabilities where logits were "
+                "available: the cast to float32 hides the logits, so the "
+                "cross-entropy clips probabilities"
+            ),
+            fix=fix,
+        )
+    # A float32 softmax/sigmoid after half-precision layers: on a backend
+    # whose losses do not recover Keras's own activations' logits (JAX),
+    # its loss clips float32 probabilities where the head's would not.
+    mixed = any(getattr(other, "compute_dtype", None) in HALF_DTYPES
+                for other in layers)
+    if mixed and not compat.activation_logits_recovered():
+        return Finding(
+            layer=layer.name,
+            problem=(
+                "loss gets float32 probabilities where logits were "
+                f"available: on Keras's {keras.backend.backend()} backend "
+                f"the cross-entropy does not recover a {activation} "
+                "layer's logits, so it clips probabilities"
+            ),
+            fix=fix,
+        )
+    return None
 
 
 def _check_optimizer(model, layers) -> list[Finding]:

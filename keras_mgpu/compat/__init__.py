@@ -5,11 +5,14 @@ module per upstream concern:
   `_require_module`, `KerasInternalsError`, `TESTED_KERAS`, the shapes of
   the Keras functions keras-mgpu runs a copy of);
 - `registry`: one `Workaround` record per workaround (`WORKAROUNDS`);
+- `jax_trainer`: Keras's JAX trainer and backend (the accumulation's JAX
+  step, uneven last batches, in-step mode's batch statistics);
 - `keras_trainer`: Keras's TensorFlow trainer (the multi-worker `fit` and
   `steps_per_execution` fixes);
 - `optimizer`: Keras's TensorFlow optimizer (exact clipping, the schedule);
 - `accumulation`: the train-step building blocks of gradient accumulation;
 - `mixed_precision`: layer and tensor internals for mixed precision;
+- `jax_nn`: Keras's JAX cross-entropy, given the float32 head's logits;
 - `saving`: the weights snapshot and its in-memory `.weights.h5` file;
 - `callbacks`: the initial epoch of the backup;
 - `fit_context`: the running `fit`'s callbacks and epoch iterator;
@@ -54,7 +57,9 @@ from keras_mgpu.compat.accumulation import gradients_already_reduced  # noqa: F4
 from keras_mgpu.compat.accumulation import loss_scale_apply  # noqa: F401
 from keras_mgpu.compat.accumulation import loss_scale_skip  # noqa: F401
 from keras_mgpu.compat.accumulation import track_loss  # noqa: F401
+from keras_mgpu.compat.jax_trainer import batch_moments_across  # noqa: F401
 from keras_mgpu.compat.jax_trainer import check_jax_accumulation_support  # noqa: F401
+from keras_mgpu.compat.jax_trainer import check_jax_in_step_support  # noqa: F401
 from keras_mgpu.compat.jax_trainer import enable_uneven_last_batches  # noqa: F401
 from keras_mgpu.compat.jax_trainer import update_metrics  # noqa: F401
 from keras_mgpu.compat.callbacks import check_backup_support  # noqa: F401
@@ -63,12 +68,12 @@ from keras_mgpu.compat.fit_context import RunningFit  # noqa: F401
 from keras_mgpu.compat.fit_context import record_fits  # noqa: F401
 from keras_mgpu.compat.fit_context import record_fits_from_import  # noqa: F401
 from keras_mgpu.compat.fit_context import running_fit  # noqa: F401
+from keras_mgpu.compat.fit_context import given_to_running_fit  # noqa: F401
 from keras_mgpu.compat.keras_trainer import _copied_originals  # noqa: F401
 from keras_mgpu.compat.keras_trainer import active_trainer_module  # noqa: F401
 from keras_mgpu.compat.keras_trainer import enable_multi_step_fit  # noqa: F401
 from keras_mgpu.compat.keras_trainer import enable_multi_worker_fit  # noqa: F401
 from keras_mgpu.compat.keras_trainer import multi_step_fit_enabled  # noqa: F401
-from keras_mgpu.compat.fit_context import given_to_running_fit  # noqa: F401
 from keras_mgpu.compat.keras_trainer import multi_worker_fit_enabled  # noqa: F401
 from keras_mgpu.compat.keras_trainer import trainer_class  # noqa: F401
 from keras_mgpu.compat.keras_tuner import TUNER_IDS_ENV  # noqa: F401
@@ -79,8 +84,14 @@ from keras_mgpu.compat.keras_tuner import save_best_epoch_state  # noqa: F401
 from keras_mgpu.compat.keras_tuner import set_save_best_epoch_state  # noqa: F401
 from keras_mgpu.compat.keras_tuner import tuner_and_trial  # noqa: F401
 from keras_mgpu.compat.mixed_precision import KERAS_LOGITS_ATTR  # noqa: F401
+from keras_mgpu.compat.jax_nn import enable_logits_losses  # noqa: F401
+from keras_mgpu.compat.jax_nn import logits_losses_work  # noqa: F401
+from keras_mgpu.compat.jax_nn import remember_logits  # noqa: F401
+from keras_mgpu.compat.jax_nn import remembered_logits  # noqa: F401
+from keras_mgpu.compat.mixed_precision import activation_logits_recovered  # noqa: F401
 from keras_mgpu.compat.mixed_precision import attach_logits  # noqa: F401
 from keras_mgpu.compat.mixed_precision import attached_logits_dropped  # noqa: F401
+from keras_mgpu.compat.mixed_precision import attached_logits_problem  # noqa: F401
 from keras_mgpu.compat.mixed_precision import logits_recovered  # noqa: F401
 from keras_mgpu.compat.mixed_precision import own_variables  # noqa: F401
 from keras_mgpu.compat.mixed_precision import producing_layer  # noqa: F401

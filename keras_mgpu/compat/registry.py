@@ -80,11 +80,21 @@ _EXACT_CLIPPING = _workaround(
     upstream=f"{_KERAS}/pull/19969",
     works_around="Keras's TensorFlow optimizer clips each replica's "
     "gradient before the all-reduce (since keras-team/keras#19467 and "
-    "#19969), so a clipped step differs from one device's",
-    applied="by `auto_strategy()`; acts for an optimizer that clips, on "
-    "more than one replica",
+    "#19969), so a clipped step differs from one device's; and it clips a "
+    "sparse (`tf.IndexedSlices`) gradient's rows unmerged, duplicate "
+    "indices apart (`_clip_gradients` in keras/src/optimizers/"
+    "base_optimizer.py), so an embedding's gradient is not clipped as its "
+    "dense equivalent, on one device too; Adam squares those rows apart "
+    "for its second moment, so even unclipped the update is not the dense "
+    "gradient's (keras-mgpu issue #43)",
+    applied="by `auto_strategy()`; all-reduces first on more than one "
+    "replica for an optimizer that clips, and merges a sparse gradient's "
+    "duplicate rows before the clip and the update on any replica count",
     remove_when="Keras clips the all-reduced gradient: "
-    "`test_stock_keras_still_clips_each_replica` fails")
+    "`test_stock_keras_still_clips_each_replica` fails; the merge, once "
+    "Keras merges duplicate rows before clipping and updating: "
+    "`test_stock_keras_still_clips_unmerged_rows` and "
+    "`test_stock_keras_adam_squares_unmerged_rows` fail")
 _ACCUMULATION = _workaround(
     "GradientAccumulationModel's train step and optimizer hooks",
     upstream=f"{_KERAS}/issues/20582",
@@ -117,6 +127,21 @@ _UNEVEN_BATCHES = _workaround(
     "`GradientAccumulationModel` and keras-mgpu's callbacks call on JAX",
     remove_when="Keras distributes a batch that does not divide by the "
     "devices (the issue is closed)")
+_IN_STEP_BATCH_MOMENTS = _workaround(
+    "in-step BatchNormalization statistics on JAX",
+    upstream=f"{_KERAS}/blob/v3.15.1/keras/src/backend/jax/nn.py",
+    works_around="inside `jax.shard_map` (in-step mode's per-device "
+    "micro-batch loop) Keras's JAX `moments` sees only the device's share "
+    "of the micro-batch, and has no way to reduce over the devices "
+    "(`synchronized=True` raises on JAX); plain `fit` under `DataParallel` "
+    "normalises over the global batch, so keras-mgpu swaps Keras's "
+    "`moments` in keras/src/backend/jax/nn.py for one that combines every "
+    "device's statistics, while the in-step loop is traced",
+    applied="by `GradientAccumulationModel(mode=\"in_step\")` on Keras's "
+    "JAX backend under a distribution, during the trace of its step; acts "
+    "on moments over the batch axis (BatchNormalization's)",
+    remove_when="Keras's JAX `moments` (or BatchNormalization) can reduce "
+    "over a `shard_map` axis (no upstream issue yet)")
 _MIXED = _workaround(
     "the mixed-precision audit",
     upstream=f"{_KERAS}/blob/v3.15.1/keras/src/layers/layer.py",
@@ -125,6 +150,21 @@ _MIXED = _workaround(
     applied="by `keras_mgpu.mixed_precision.audit`, `FP32OutputHead` and "
     "`LossScaleMonitor`",
     remove_when="Keras exposes those (no upstream issue yet)")
+_JAX_LOGITS = _workaround(
+    "the float32 head's logits for the losses on JAX",
+    upstream=f"{_KERAS}/blob/v3.15.1/keras/src/backend/jax/nn.py",
+    works_around="Keras's JAX cross-entropy (categorical, sparse "
+    "categorical, binary) reads no logits with a softmax or sigmoid output "
+    "(JAX arrays take no `_keras_logits` attribute, which the TensorFlow "
+    "backend reads), so it clips the probabilities to [1e-7, 1 - 1e-7]; "
+    "keras-mgpu wraps the three functions of "
+    "`keras.src.backend.jax.nn` so that, given exactly an output of "
+    "`FP32OutputHead`, they compute the loss from its float32 logits",
+    applied="on Keras's JAX backend, from the first `FP32OutputHead` with a "
+    "softmax or sigmoid activation built (or the first `audit`); acts only "
+    "on the head's outputs",
+    remove_when="Keras's JAX losses recover a softmax or sigmoid output's "
+    "logits themselves (no upstream issue yet)")
 _BACKUP = _workaround(
     "BackupAndRestore's resume hooks",
     upstream=f"{_KERAS}/blob/v3.15.1/keras/src/saving/saving_lib.py",

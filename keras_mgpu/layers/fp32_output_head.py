@@ -51,12 +51,24 @@ class FP32OutputHead(keras.layers.Layer):
     `Dense(n, activation="softmax")` computes its softmax in half precision
     and the model's output is cast to float32 afterwards, so the loss only
     sees (clipped) probabilities. This head casts the logits to float32
-    before the activation and attaches them to its output: Keras's
-    cross-entropy losses (categorical, sparse categorical, binary, with the
-    default `from_logits=False`) then compute the loss from the float32
-    logits, while `predict` still returns probabilities. (On Keras's JAX
-    backend the losses read no attached logits: the loss gets the head's
-    float32 probabilities, as for any float32 model there.)
+    before the activation and hands them to the loss with its output:
+    Keras's cross-entropy losses (categorical, sparse categorical, binary,
+    with the default `from_logits=False`, as a name, a class or a function)
+    then compute the loss from the float32 logits, while `predict` still
+    returns probabilities. How the logits travel depends on the backend,
+    not on the user's script: on TensorFlow they are attached to the output
+    tensor as the attribute Keras's cross-entropy reads; on JAX, whose
+    arrays take no attribute, the head remembers its output object and its
+    logits while that object lives, and keras-mgpu wraps Keras's JAX
+    cross-entropy functions to compute the loss from the logits when given
+    exactly that object (`keras_mgpu.compat.jax_nn`; identity holds under
+    `jit`, `grad`, `scan` and `shard_map`, so plain `fit`/`evaluate` and
+    `GradientAccumulationModel` in both modes get it). Softmax goes with
+    the categorical losses (over the last axis), sigmoid with the binary
+    one; an output changed before the loss (squeezed, masked by
+    `ignore_class`) gets the probabilities' loss on both backends. Where the
+    installed Keras's losses cannot be given the logits, building the head warns and
+    `keras_mgpu.mixed_precision.audit` says so.
 
     It also counts the non-finite values (inf, NaN) of its input and its
     output in every forward pass (`fit`, `evaluate`, `predict`), summed over
@@ -191,13 +203,15 @@ class FP32OutputHead(keras.layers.Layer):
         return getattr(self.activation, "__name__", str(self.activation))
 
     def build(self, input_shape):
-        if (self.activation_name in _LOGIT_ACTIVATIONS
-                and compat.attached_logits_dropped()):
+        # On JAX this also wraps Keras's cross-entropy, once, to read the
+        # logits `call` hands over.
+        problem = (compat.attached_logits_problem()
+                   if self.activation_name in _LOGIT_ACTIVATIONS else None)
+        if problem is not None:
             warnings.warn(
-                f"Keras {keras.__version__}'s cross-entropy losses no longer "
-                f"read the logits attached to a {self.activation_name} "
-                f"output: the loss of {self.name!r} is computed from "
-                "probabilities, which underflow in float16. Use "
+                f"{problem}: the loss of {self.name!r}, a "
+                f"{self.activation_name} output, is computed from clipped "
+                "probabilities, not from its float32 logits. Use "
                 "activation=None with a from_logits=True loss.",
                 compat.UntestedKerasWarning, stacklevel=2)
         self.dense.build(input_shape)
@@ -208,9 +222,10 @@ class FP32OutputHead(keras.layers.Layer):
         logits = ops.cast(self.dense(inputs), "float32")
         outputs = self.activation(logits)
         if self.activation_name in _LOGIT_ACTIVATIONS:
-            # Keras's softmax/sigmoid attach the logits already; attaching
-            # again keeps this true if that ever moves out of the activation.
-            compat.attach_logits(outputs, logits)
+            # On TensorFlow, Keras's softmax/sigmoid attach the logits
+            # already; attaching again keeps this true if that ever moves
+            # out of the activation. On JAX this is the only way.
+            compat.attach_logits(outputs, logits, self.activation_name)
         self.nonfinite_outputs.update_state(_count_nonfinite(outputs))
         return outputs
 

@@ -91,7 +91,9 @@ def test_the_in_step_program_all_reduces_once(data_parallel, optimizer,
         counts[name] = _all_reduces(model, *[
             jax.device_put(t[:batch], sharded) for t in (x, y)])
     # The in-step window (4 micro-batches of 4 rows per device) reduces
-    # its gradient sums, sample count, loss (and batch statistics) once.
+    # its gradient sums, sample count, loss (and moving statistics) once;
+    # BatchNormalization's batch statistics add all-gathers, not
+    # all-reduces (tests/jax/test_jax_batch_norm.py).
     assert counts["in_step"] == 1, counts
     # One step of a plain or window-mode program is one micro-batch: XLA
     # reduces its gradient (so a window of 4 reduces 4 times).
@@ -132,18 +134,42 @@ def test_the_tuner_scales_batch_and_learning_rate(data_parallel, tmp_path):
     assert math.isfinite(metric("loss"))
 
 
+# The module of each module function the JAX step needs (by default the
+# trainer's), and the mode that needs it (by default both).
+_OWNER_MODULES = {"moments": "keras.src.backend.jax.nn"}
+_MODE = {"moments": "in_step", "keras.src.backend.jax.nn": "in_step"}
+
+
 def _refused(name, replacement, monkeypatch):
     """Wrapping a model is refused, naming the name, when Keras's JAX
-    trainer (its class, or its module for a function) lacks `name` or has
-    another signature for it."""
-    owner = next((cls for cls in keras.Model.__mro__ if name in vars(cls)),
-                 sys.modules["keras.src.backend.jax.trainer"])
-    if replacement is None:
-        monkeypatch.delattr(owner, name)
+    backend (the trainer's class, or the module of a function) lacks
+    `name` or has another signature for it, or lacks the module `name`."""
+    if name.startswith("keras."):
+        if replacement is not None:
+            return  # a module has no signature
+        import_module = keras_mgpu.compat._core._import_module
+
+        def without(path):
+            if path == name:
+                raise ImportError(f"No module named {path!r}")
+            return import_module(path)
+
+        monkeypatch.setattr(keras_mgpu.compat._core, "_import_module",
+                            without)
     else:
-        monkeypatch.setattr(owner, name, replacement)
+        owner = next(
+            (cls for cls in keras.Model.__mro__ if name in vars(cls)),
+            sys.modules[_OWNER_MODULES.get(
+                name, "keras.src.backend.jax.trainer")])
+        if replacement is None:
+            monkeypatch.delattr(owner, name)
+        else:
+            monkeypatch.setattr(owner, name, replacement)
+    if name in _MODE:
+        GradientAccumulationModel(mlp(), accum_steps=2)  # window: unused
     with pytest.raises(keras_mgpu.compat.KerasInternalsError) as error:
-        GradientAccumulationModel(mlp(), accum_steps=2)
+        GradientAccumulationModel(mlp(), accum_steps=2,
+                                  mode=_MODE.get(name, "window"))
     message = str(error.value)
     assert name in message
     assert f"Keras {keras.__version__}" in message
@@ -151,13 +177,19 @@ def _refused(name, replacement, monkeypatch):
 
 
 def test_a_jax_trainer_without_what_the_step_needs_is_refused(monkeypatch):
-    # The JAX backend's private names (compat/jax_*.py), taken away in turn
-    # and given another signature, as tests/test_compat_mutations.py does
-    # for the TensorFlow backend's.
+    # The private names of the JAX step (compat/jax_trainer.py; those of
+    # compat/jax_nn.py, tests/jax/test_jax_logits.py takes away), and the
+    # module of Keras's JAX `moments`, taken away in turn and given
+    # another signature, as tests/test_compat_mutations.py does for the
+    # TensorFlow backend's.
+    from keras_mgpu.compat import jax_trainer
     from tests.test_compat_mutations import _required_names
 
-    names = _required_names(modules=lambda path: path.name.startswith("jax_"))
-    assert names == {"_update_metrics_variables", "_distribute_data"}
+    names = _required_names(
+        modules=lambda path: path.name == "jax_trainer.py") | {
+            jax_trainer._JAX_NN}
+    assert names == {"_update_metrics_variables", "_distribute_data",
+                     "moments", "keras.src.backend.jax.nn"}
     for name in names:
         with monkeypatch.context() as patch:
             _refused(name, None, patch)

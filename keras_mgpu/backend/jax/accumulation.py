@@ -14,7 +14,12 @@ that state (and are saved and restored with the model).
   batch axis: a `lax.scan` sums each device's gradients, then one `psum`
   reduces the window (gradient sums, sample count, loss and any float
   non-trainable state such as BatchNormalization's moving statistics,
-  averaged) across devices, and one optimizer update follows.
+  averaged) across devices, and one optimizer update follows. Micro-batch
+  k is, globally, every device's k-th slice of its share: batch
+  statistics (BatchNormalization's) are those of that global micro-batch,
+  as in plain `fit` (`compat.batch_moments_across`, a small collective
+  per normalization and micro-batch), so the moving statistics come out
+  the same on every device.
 
 Either way the update is `optimizer.stateless_apply` on the window's mean
 gradient: clipping acts on the whole window's gradient, and
@@ -54,6 +59,9 @@ class AccumulationSteps:
     def _prepare_backend(self):
         # A last batch that does not divide by the devices, placed whole.
         compat.enable_uneven_last_batches()
+        if self.mode == "in_step":
+            # Its micro-batches' batch statistics (`_in_step_sums`).
+            compat.check_jax_in_step_support()
 
     def _compiled(self):
         pass
@@ -170,7 +178,8 @@ class AccumulationSteps:
                       metrics, data):
         """The window's gradient sums, sample count, mean loss, predictions
         and non-trainable values: micro-batches looped on each device, one
-        `psum` across the distribution's batch axis."""
+        `psum` across the distribution's batch axis (and the batch
+        statistics of each micro-batch across it)."""
         distribution = keras.distribution.distribution()
         axis = None if distribution is None else distribution.batch_dim_name
         rows = jax.tree.leaves(data)[0].shape[0]
@@ -193,8 +202,12 @@ class AccumulationSteps:
                     jax.lax.pcast(v, axis, to="varying")
                     if i in model_indices and _is_float(v) else v
                     for i, v in enumerate(non_trainable)]
-            grads, loss_sum, y_pred, non_trainable, count = self._window_loop(
-                trainable, non_trainable, optimizer_values, metrics, data)
+            # Batch statistics over the global micro-batch (every device's
+            # slice of it), as plain `fit` under `DataParallel` has them.
+            with compat.batch_moments_across(axis):
+                grads, loss_sum, y_pred, non_trainable, count = (
+                    self._window_loop(trainable, non_trainable,
+                                      optimizer_values, metrics, data))
             state = [non_trainable[i] for i in model_indices]
             if axis is not None:
                 floats = [i for i, v in enumerate(state) if _is_float(v)]

@@ -1,0 +1,338 @@
+"""The tested-models matrix: keras-hub transformers and keras.applications
+convnets (tests/models/catalogue.py) on the active backend, 2 replicas
+(`MirroredStrategy` over 2 logical CPUs on TensorFlow, `DataParallel` over
+2 host devices on JAX).
+
+For each model: both accumulation modes against the reference
+docs/accumulation.md states; the float32 head's loss from float32 logits
+under both half-precision policies, and the audit; clipping of sparse
+embedding gradients; a SIGKILL mid-window and the resume; the wrapped
+model saved, loaded and trained on, the inner one exported for serving;
+Keras's own `gradient_accumulation_steps` under every keras-mgpu callback.
+
+`.ci/run` runs `CI_MODELS`; the others are marked `full_matrix`, which
+`nox -s models` runs too. With `KERAS_MGPU_MATRIX_LOG=<path>` each check
+appends what it measured there (one JSON line), which docs/models.md
+tabulates.
+"""
+
+import contextlib
+import json
+import os
+import signal
+
+import keras
+import numpy as np
+import pytest
+
+from keras_mgpu import GradientAccumulationModel, mixed_precision
+from keras_mgpu.callbacks import BackupAndRestore, DistributedLogger
+from keras_mgpu.layers import FP32OutputHead
+from keras_mgpu.runtime import training_runtime
+from tests.models import workers
+from tests.models.catalogue import CI_MODELS, MODELS
+
+BACKEND = keras.backend.backend()
+MICRO = 8  # global micro-batch
+ACCUM = 2
+SAMPLES = 32  # two windows
+
+MODEL_PARAMS = [
+    pytest.param(name, marks=() if name in CI_MODELS
+                 else pytest.mark.full_matrix)
+    for name in MODELS]
+
+
+@pytest.fixture(autouse=True)
+def sparse_gradients_merged():
+    """What `auto_strategy()` applies (the fixtures' strategies are made
+    without it): on TensorFlow an embedding's sparse gradient is clipped and
+    applied as its dense equivalent, so plain `fit` is a reference."""
+    if BACKEND == "tensorflow":
+        from keras_mgpu import compat
+
+        compat.enable_exact_clipping()
+
+
+def record(model, check, **measured):
+    path = os.environ.get("KERAS_MGPU_MATRIX_LOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"model": model, "backend": BACKEND,
+                                "check": check, **measured}) + "\n")
+
+
+def max_diff(a, b):
+    return max(float(np.abs(np.asarray(u, "float64") - np.asarray(v)).max())
+               for u, v in zip(a, b))
+
+
+def crossentropy(from_logits=True):
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=from_logits)
+
+
+def subset(x, index):
+    return ({k: v[index] for k, v in x.items()} if isinstance(x, dict)
+            else x[index])
+
+
+def fit(entry, scope, batch, x, y, optimizer, wrap=None, weights=None):
+    """One epoch of `entry`'s model (wrapped by `wrap`) in `scope`, from
+    the given initial weights; returns the inner model."""
+    with scope():
+        model = entry.build()
+        if weights is not None:
+            model.set_weights(weights)
+        trained = wrap(model) if wrap else model
+        trained.compile(optimizer(), crossentropy())
+        trained.fit(x, y, batch_size=batch, epochs=1, shuffle=False,
+                    verbose=0)
+    return model
+
+
+def reference_order(samples, devices, accum, micro):
+    """In-step mode on JAX normalises each global micro-batch k: every
+    device's k-th slice of its share. The order that puts those groups
+    one after another, for a reference at the micro-batch size."""
+    share = samples // devices
+    size = micro // devices
+    return np.concatenate([
+        np.arange(d * share + k * size, d * share + (k + 1) * size)
+        for k in range(accum) for d in range(devices)])
+
+
+# --- accumulation ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["window", "in_step"])
+@pytest.mark.parametrize("name", MODEL_PARAMS)
+def test_accumulation_meets_the_reference(two_replicas, name, mode):
+    """Without BatchNormalization: the big-batch step on one device.
+    With it, plain `fit` at the micro-batch size with its updates summed
+    into one per window (Keras's own `gradient_accumulation_steps`): on
+    TensorFlow each replica normalises its share of the micro-batch (one
+    device at the per-replica micro-batch, trainable weights compared: the
+    replicas' moving statistics are averaged each micro-step, which one
+    device cannot do); on JAX the global micro-batch (under the same
+    distribution, every weight compared)."""
+    entry = MODELS[name]
+    x, y = entry.data(SAMPLES)
+    # SGD with momentum: linear in the gradient, so summing in another
+    # order stays at rounding level (Adam divides a near-zero gradient
+    # component by its own magnitude, a step of up to the learning rate
+    # whose sign is rounding noise).
+    sgd = lambda steps=None: keras.optimizers.SGD(  # noqa: E731
+        0.05, momentum=0.9, gradient_accumulation_steps=steps)
+    model = fit(entry, two_replicas,
+                MICRO if mode == "window" else MICRO * ACCUM, x, y, sgd,
+                wrap=lambda m: GradientAccumulationModel(
+                    m, accum_steps=ACCUM, mode=mode))
+    compared = model.get_weights()
+    if not entry.batch_norm:
+        reference = fit(entry, contextlib.nullcontext, MICRO * ACCUM, x, y,
+                        sgd).get_weights()
+    elif BACKEND == "tensorflow":
+        replicas = 2
+        reference = fit(entry, contextlib.nullcontext, MICRO // replicas, x,
+                        y, lambda: sgd(ACCUM * replicas))
+        trainable = {id(v) for v in reference.trainable_variables}
+        keep = [id(v) in trainable for v in reference.weights]
+        reference = [w for w, k in zip(reference.get_weights(), keep) if k]
+        compared = [w for w, k in zip(compared, keep) if k]
+    else:
+        if mode == "in_step":
+            order = np.concatenate([
+                start + reference_order(MICRO * ACCUM, 2, ACCUM, MICRO)
+                for start in range(0, SAMPLES, MICRO * ACCUM)])
+            x, y = subset(x, order), y[order]
+        reference = fit(entry, two_replicas, MICRO, x, y,
+                        lambda: sgd(ACCUM)).get_weights()
+    diff = max_diff(compared, reference)
+    record(name, f"accumulation_{mode}", max_abs_diff=diff)
+    assert diff < 2e-5
+
+
+# --- the float32 head ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"],
+                         indirect=True)
+@pytest.mark.parametrize("name", MODEL_PARAMS)
+def test_the_float32_head_reaches_the_loss(two_replicas, name, policy):
+    """`FP32OutputHead(activation="softmax")` with Keras's default
+    `from_logits=False` loss: the loss is the cross-entropy of the head's
+    float32 logits, also where the true class's probability underflows
+    (the clipped-probability loss would cap each term at 16.1); the audit
+    finds nothing. The same model with a half-precision softmax Dense is
+    flagged."""
+    entry = MODELS[name]
+    x, y = entry.data(MICRO)
+    with two_replicas():
+        model = entry.build(lambda units: FP32OutputHead(
+            units, activation="softmax", name="head"))
+        model.compile("sgd", crossentropy(from_logits=False))
+        head = model.get_layer("head")
+        # The head's inputs of a training step (an untrained deep convnet's
+        # vanish at inference: BatchNormalization's statistics are new).
+        features = keras.ops.convert_to_numpy(keras.Model(
+            model.inputs, head.input)(x, training=True)).astype("float32")
+        kernel, bias = head.get_weights()
+        # Logits up to about 2000: most probabilities underflow float32.
+        scale = 2000.0 / max(float(np.abs(features @ kernel).max()), 1e-30)
+        head.set_weights([kernel * scale, bias])
+        loss = float(keras.ops.convert_to_numpy(model.compute_loss(
+            x=x, y=y, y_pred=model(x, training=True))))
+        findings = mixed_precision.audit(model)
+    logits = features @ (kernel * scale) + bias
+    expected = float(np.mean(keras.ops.convert_to_numpy(
+        keras.losses.sparse_categorical_crossentropy(
+            y, logits, from_logits=True))))
+    record(name, f"fp32_head_{policy}", loss=loss, expected=expected)
+    assert expected > 100  # far past what clipped probabilities give
+    # The head's matmul runs in half precision: its logits differ from
+    # the float32 product by the inputs' rounding.
+    assert loss == pytest.approx(expected, rel=2e-2)
+    assert findings == []
+    with two_replicas():
+        flagged = entry.build(lambda units: keras.layers.Dense(
+            units, activation="softmax", name="head"))
+        flagged.compile("sgd", crossentropy(from_logits=False))
+    problems = [f.problem for f in mixed_precision.audit(flagged)]
+    assert any("clips probabilities" in p for p in problems), problems
+
+
+# --- clipping --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("clip", [{"clipnorm": 0.05}, {"clipvalue": 0.002},
+                                  {"global_clipnorm": 0.05}],
+                         ids=lambda c: next(iter(c)))
+@pytest.mark.parametrize("name", [p for p in MODEL_PARAMS
+                                  if MODELS[p.values[0]].token_inputs])
+def test_clipping_sparse_gradients_equals_the_dense_reference(
+        two_replicas, name, clip):
+    """The token embedding's gradient is sparse on TensorFlow, one row per
+    token occurrence: plain `fit` (keras-mgpu's exact clipping, applied
+    by the fixture's strategy) and both accumulation modes clip the dense
+    gradient, as one device with a dense gradient does (the in-step
+    window here holds one micro-batch, so all three take the same
+    steps)."""
+    from keras_mgpu import compat
+
+    if BACKEND == "tensorflow":
+        compat.enable_exact_clipping()
+    entry = MODELS[name]
+    x, y = entry.data(SAMPLES)
+    sgd = lambda: keras.optimizers.SGD(0.5, momentum=0.9, **clip)  # noqa
+    plain = fit(entry, two_replicas, MICRO, x, y, sgd).get_weights()
+    window = fit(entry, two_replicas, MICRO, x, y, sgd,
+                 wrap=lambda m: GradientAccumulationModel(m, accum_steps=1))
+    in_step = fit(entry, two_replicas, MICRO, x, y, sgd,
+                  wrap=lambda m: GradientAccumulationModel(
+                      m, accum_steps=1, mode="in_step"))
+    diffs = {"plain_vs_window": max_diff(plain, window.get_weights()),
+             "in_step_vs_window": max_diff(in_step.get_weights(),
+                                           window.get_weights())}
+    record(name, f"clipping_{next(iter(clip))}", **diffs)
+    assert max(diffs.values()) < 1e-6, diffs
+
+
+# --- kill and resume ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", MODEL_PARAMS)
+def test_sigkill_mid_window_resumes_exactly(two_replicas, run_workers, name,
+                                            tmp_path):
+    """Killed after global batch 8 of 12 (mid-epoch 2, mid-window: saves
+    every 3 batches), then rerun: the uninterrupted run's weights and
+    optimizer steps."""
+    backup_dir = str(tmp_path / "backup")
+    killed = run_workers(workers.train, 1, kwargs={
+        "name": name, "backup_dir": backup_dir, "kill_at": 8},
+        check=False)[0]
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    resumed = run_workers(workers.train, 1, kwargs={
+        "name": name, "backup_dir": backup_dir})[0].result
+    full = workers.train(name, scope=two_replicas)
+    diff = max_diff(resumed["weights"], full["weights"])
+    record(name, "sigkill_resume", max_abs_diff=diff,
+           iterations=[resumed["iterations"], full["iterations"]])
+    assert resumed["iterations"] == full["iterations"] == (
+        workers.EPOCHS * workers.SAMPLES // (workers.BATCH * workers.ACCUM))
+    assert diff <= 1e-6
+
+
+# --- saving and serving ------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", MODEL_PARAMS)
+def test_saved_loaded_trained_and_exported(two_replicas, name, tmp_path):
+    """The wrapper saved mid-window to `.keras` and loaded trains on as the
+    original does; the inner model exported for serving predicts as it."""
+    entry = MODELS[name]
+    x, y = entry.data(SAMPLES)
+    path = str(tmp_path / "model.keras")
+    with two_replicas():
+        # Carried across fits: after 3 micro-batches the save holds half
+        # a window.
+        model = GradientAccumulationModel(entry.build(), accum_steps=ACCUM,
+                                          partial_window="carry")
+        model.compile(keras.optimizers.Adam(1e-3), crossentropy())
+        model.fit(subset(x, slice(0, 3 * MICRO)), y[:3 * MICRO],
+                  batch_size=MICRO, shuffle=False, verbose=0)
+        model.save(path)
+        loaded = keras.saving.load_model(path)
+        for trained in (model, loaded):
+            trained.fit(subset(x, slice(3 * MICRO, None)), y[3 * MICRO:],
+                        batch_size=MICRO, shuffle=False, verbose=0)
+    diff = max_diff(loaded.get_weights(), model.get_weights())
+    assert int(keras.ops.convert_to_numpy(loaded.optimizer.iterations)) == 2
+    export = str(tmp_path / "served")
+    model.inner.export(export, verbose=False)
+    import tensorflow as tf
+
+    served = tf.saved_model.load(export)
+    batch = subset(x, slice(0, 4))
+    if isinstance(batch, dict):
+        outputs = served.serve({k: tf.constant(v) for k, v in batch.items()})
+    else:
+        outputs = served.serve(tf.constant(batch))
+    predicted = model.inner.predict(batch, verbose=0)
+    served_diff = float(np.abs(np.asarray(outputs) - predicted).max())
+    record(name, "save_load_export", trained_on_diff=diff,
+           served_diff=served_diff)
+    assert diff <= 1e-6
+    assert served_diff <= 1e-4
+
+
+# --- Keras's own accumulation under every callback ---------------------------
+
+
+@pytest.mark.parametrize("name", MODEL_PARAMS)
+def test_keras_accumulation_with_every_callback(two_replicas, name, tmp_path):
+    """`gradient_accumulation_steps` (on one device on TensorFlow, where it
+    fails under `MirroredStrategy`: keras-team/keras#20582) with the
+    logger, the backup and the loss-scale monitor: the run without them,
+    its updates counted as updates."""
+    entry = MODELS[name]
+    x, y = entry.data(SAMPLES)
+    scope = two_replicas if BACKEND == "jax" else contextlib.nullcontext
+    adam = lambda: keras.optimizers.Adam(  # noqa: E731
+        1e-3, gradient_accumulation_steps=ACCUM)
+    plain = fit(entry, scope, MICRO, x, y, adam).get_weights()
+    with scope():
+        model = entry.build()
+        model.compile(adam(), crossentropy())
+        model.fit(x, y, batch_size=MICRO, shuffle=False, verbose=0,
+                  callbacks=[
+                      DistributedLogger(str(tmp_path / "logs"),
+                                        update_freq=2, console=False),
+                      BackupAndRestore(str(tmp_path / "backup"),
+                                       save_freq=3),
+                      mixed_precision.LossScaleMonitor()])
+    counters = training_runtime(model).counters()
+    diff = max_diff(model.get_weights(), plain)
+    record(name, "keras_accumulation_callbacks", max_abs_diff=diff)
+    assert (counters.global_step, counters.updates_applied,
+            counters.updates_skipped) == (4, 2, 0)
+    assert diff <= 1e-6
