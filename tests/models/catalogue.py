@@ -121,7 +121,8 @@ def _application(constructor, **kwargs):
     def make(head):
         base = constructor(include_top=False, weights=None,
                            input_shape=IMAGE, pooling="avg", **kwargs)
-        return keras.Model(base.inputs, head(CLASSES)(base.outputs[0]))
+        # One input, not a list of one: what a serving signature takes.
+        return keras.Model(base.inputs[0], head(CLASSES)(base.outputs[0]))
     return make
 
 

@@ -149,7 +149,11 @@ def test_accumulation_meets_the_reference(two_replicas, name, mode):
                         lambda: sgd(ACCUM)).get_weights()
     diff = max_diff(compared, reference)
     record(name, f"accumulation_{mode}", max_abs_diff=diff)
-    assert diff < 2e-5
+    # Normalising over 4 samples (a replica's share of a micro-batch)
+    # magnifies rounding; normalising over other samples is further off
+    # (in-step on JAX over each device's share: 2.8e-3 on a small convnet,
+    # tests/jax/test_jax_batch_norm.py).
+    assert diff < (1e-4 if entry.batch_norm else 2e-5)
 
 
 # --- the float32 head ----------------------------------------------------------
@@ -163,8 +167,8 @@ def test_the_float32_head_reaches_the_loss(two_replicas, name, policy):
     `from_logits=False` loss: the loss is the cross-entropy of the head's
     float32 logits, also where the true class's probability underflows
     (the clipped-probability loss would cap each term at 16.1); the audit
-    finds nothing. The same model with a half-precision softmax Dense is
-    flagged."""
+    finds nothing wrong with the output or the loss. The same model with a
+    half-precision softmax Dense is flagged."""
     entry = MODELS[name]
     x, y = entry.data(MICRO)
     with two_replicas():
@@ -180,9 +184,11 @@ def test_the_float32_head_reaches_the_loss(two_replicas, name, policy):
         # Logits up to about 2000: most probabilities underflow float32.
         scale = 2000.0 / max(float(np.abs(features @ kernel).max()), 1e-30)
         head.set_weights([kernel * scale, bias])
-        loss = float(keras.ops.convert_to_numpy(model.compute_loss(
-            x=x, y=y, y_pred=model(x, training=True))))
-        findings = mixed_precision.audit(model)
+        y_pred = model(x, training=True)
+    # Outside the scope: inside, Keras divides the loss by the replicas.
+    loss = float(keras.ops.convert_to_numpy(model.compute_loss(
+        x=x, y=y, y_pred=y_pred)))
+    findings = mixed_precision.audit(model)
     logits = features @ (kernel * scale) + bias
     expected = float(np.mean(keras.ops.convert_to_numpy(
         keras.losses.sparse_categorical_crossentropy(
@@ -192,7 +198,10 @@ def test_the_float32_head_reaches_the_loss(two_replicas, name, policy):
     # The head's matmul runs in half precision: its logits differ from
     # the float32 product by the inputs' rounding.
     assert loss == pytest.approx(expected, rel=2e-2)
-    assert findings == []
+    # Nothing about the output or the loss (a transformer's attention
+    # softmax, computed in half precision, is a finding of its own).
+    assert [f for f in findings if "clips probabilities" in f.problem
+            or f.problem.startswith("output is")] == []
     with two_replicas():
         flagged = entry.build(lambda units: keras.layers.Dense(
             units, activation="softmax", name="head"))
