@@ -149,11 +149,12 @@ def test_accumulation_meets_the_reference(two_replicas, name, mode):
                         lambda: sgd(ACCUM)).get_weights()
     diff = max_diff(compared, reference)
     record(name, f"accumulation_{mode}", max_abs_diff=diff)
-    # Normalising over 4 samples (a replica's share of a micro-batch)
-    # magnifies rounding; normalising over other samples is further off
-    # (in-step on JAX over each device's share: 2.8e-3 on a small convnet,
-    # tests/jax/test_jax_batch_norm.py).
-    assert diff < (1e-4 if entry.batch_norm else 2e-5)
+    # Batch statistics over a few samples (4 per replica; 8 in a global
+    # micro-batch, at 1x1 in a convnet's last blocks) magnify rounding: on
+    # JAX in-step mode combines the devices' statistics in another order
+    # than XLA (MobileNetV3Small: 1.6e-4; 5e-6 in float64). Normalising
+    # over other samples is far off: 0.69 there with each device's share.
+    assert diff < (3e-4 if entry.batch_norm else 2e-5)
 
 
 # --- the float32 head ----------------------------------------------------------
