@@ -101,7 +101,7 @@ def run_workers():
 # `--dist loadfile` hands files to the workers in collection order; the
 # longest go first, so that no worker is left running one of them alone at
 # the end (about 290 s each on 2 cores; the order of the rest is kept).
-_LONGEST_FIRST = ("test_model_matrix.py", "test_tuner.py", "test_backup_and_restore.py",
+_LONGEST_FIRST = ("test_model_lifecycle.py", "test_model_training.py", "test_tuner.py", "test_backup_and_restore.py",
                   "test_backup_kills.py", "test_runtime.py", "test_accumulation_in_step.py",
                   "test_accumulation.py", "test_examples.py",
                   "test_gpu_suite.py", "test_distributed_logger.py")

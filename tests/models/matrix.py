@@ -1,0 +1,73 @@
+"""What the tested-models matrix's checks share (tests/models/): the
+sizes, the models' parameters (`.ci/run` runs `CI_MODELS`, the others are
+marked `full_matrix`, which `nox -s models` runs too), one `fit` of a
+catalogue model, and `record`: with `KERAS_MGPU_MATRIX_LOG=<path>` each
+check appends what it measured there (one JSON line), which
+`tests/models/report.py` turns into docs/models.md's table.
+"""
+
+import json
+import os
+
+import keras
+import numpy as np
+import pytest
+
+from tests.models.catalogue import CI_MODELS, MODELS
+
+BACKEND = keras.backend.backend()
+MICRO = 8  # global micro-batch
+ACCUM = 2
+SAMPLES = 32  # two windows
+
+MODEL_PARAMS = [
+    pytest.param(name, marks=() if name in CI_MODELS
+                 else pytest.mark.full_matrix)
+    for name in MODELS]
+
+
+def record(model, check, **measured):
+    path = os.environ.get("KERAS_MGPU_MATRIX_LOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"model": model, "backend": BACKEND,
+                                "check": check, **measured}) + "\n")
+
+
+def max_diff(a, b):
+    return max(float(np.abs(np.asarray(u, "float64") - np.asarray(v)).max())
+               for u, v in zip(a, b))
+
+
+def crossentropy(from_logits=True):
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=from_logits)
+
+
+def subset(x, index):
+    return ({k: v[index] for k, v in x.items()} if isinstance(x, dict)
+            else x[index])
+
+
+def fit(entry, scope, batch, x, y, optimizer, wrap=None, weights=None):
+    """One epoch of `entry`'s model (wrapped by `wrap`) in `scope`, from
+    the given initial weights; returns the inner model."""
+    with scope():
+        model = entry.build()
+        if weights is not None:
+            model.set_weights(weights)
+        trained = wrap(model) if wrap else model
+        trained.compile(optimizer(), crossentropy())
+        trained.fit(x, y, batch_size=batch, epochs=1, shuffle=False,
+                    verbose=0)
+    return model
+
+
+def reference_order(samples, devices, accum, micro):
+    """In-step mode on JAX normalises each global micro-batch k: every
+    device's k-th slice of its share. The order that puts those groups
+    one after another, for a reference at the micro-batch size."""
+    share = samples // devices
+    size = micro // devices
+    return np.concatenate([
+        np.arange(d * share + k * size, d * share + (k + 1) * size)
+        for k in range(accum) for d in range(devices)])
