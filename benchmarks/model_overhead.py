@@ -1,71 +1,68 @@
 """Benchmark: cost of keras-mgpu's callbacks on real models, 2 replicas.
 
-For each model of the catalogue (`tests/models/catalogue.py`: keras-hub
-transformers and keras.applications convnets at test size) and each Keras
-backend, times `fit` over `--steps` batches with no callback (`plain`),
-`DistributedLogger(log_dir, update_freq=100, console=False)`,
-`BackupAndRestore(backup_dir, save_freq=100)`, and both (the logger first);
-on JAX also `in-order`, a callback doing nothing in `on_train_batch_end`
-(below). 2 replicas: on TensorFlow a `MirroredStrategy` over 2 logical CPUs
-(`keras_mgpu.auto_strategy(virtual_cpus=2)`), on JAX
-`keras.distribution.DataParallel` over 2 host devices
-(`--xla_force_host_platform_device_count=2`). The backend is fixed when
-Keras is imported: the main process runs a child process per backend and
-model, and merges their results.
+Times `fit` of each catalogue model (`tests/models/catalogue.py`: keras-hub
+transformers, keras.applications convnets, at test size) on each Keras
+backend with no callback (`plain`), `DistributedLogger(log_dir,
+update_freq=100, console=False)`, `BackupAndRestore(backup_dir,
+save_freq=100)` and both (the logger first); on JAX also `in-order`, a
+callback doing nothing in `on_train_batch_end` (below). 2 replicas:
+TensorFlow `MirroredStrategy` over 2 logical CPUs
+(`keras_mgpu.auto_strategy(virtual_cpus=2)`), JAX `DataParallel` over 2 host
+devices (`--xla_force_host_platform_device_count=2`). The backend is fixed
+at import, so the main process runs a child per backend and model.
 
-Each configuration has its own model, built from the same seed (Adam,
-`SparseCategoricalCrossentropy(from_logits=True)`), and its callbacks, made
+Each configuration has its own model (same seed; Adam,
+`SparseCategoricalCrossentropy(from_logits=True)`) and its callbacks, made
 once and given to each of its fits as a script calling `fit` again would
-(`--fresh-callbacks`: new ones, in empty directories, for every fit, which
-then pays their setup too). A warm-up fit of `--warmup` batches traces,
-compiles and sets the callbacks up (files, writer threads, a first record
-and save); it is not timed. Then the configurations take turns fit by fit
-over `--rounds` rounds, the order rotating each round, so that drifts in
-machine load touch them all alike. Nothing is restored: a finished
-`BackupAndRestore` deletes its backup (its default). With the defaults
-(`--steps 200`, `--freq 100`) each timed fit holds 2 records and 2 saves;
-`--freq` sets both frequencies lower for slow models.
+(`--fresh-callbacks`: new ones, in empty directories, every fit, which then
+pays their setup too). A warm-up fit of `--warmup` batches (tracing, the
+callbacks' files and threads, a first record and save) is not timed. Then
+the configurations take turns fit by fit over `--rounds` rounds, the order
+rotating, so that drifts in machine load touch them all alike. Nothing is
+restored: a finished `BackupAndRestore` deletes its backup (its default).
+With the defaults (`--steps 200`, `--freq 100`) each timed fit holds 2
+records and 2 saves; `--freq` sets both frequencies lower for slow models.
 
 A fit's time runs from before the first `on_train_begin` to after the last
-`on_train_end` of its callbacks (two timing callbacks without batch hooks,
-first and last): every hook of the callbacks and all training, not Keras's
-data setup before nor its teardown after, the same in every configuration.
-That teardown is where TensorFlow's `MirroredStrategy` over logical CPUs
-stalls now and then (2.5 s, sometimes 5, 10 or 20 s, after a 3 s fit on 2
-busy cores; the JSON's `wall_times`, whole `fit` calls, keep it). A ratio
-is a fit's time over the `plain` fit of the same round: the median over the
-rounds, with the quartiles; a second table gives each configuration's
-fastest fit over the fastest `plain` fit, as noise only adds time. The
-callbacks' hooks are also timed on the training thread (wrapped only where
-a callback overrides them, so Keras's dispatch is unchanged): their share
-of the fit shows where an overhead goes, less work on other threads (the
-backup's writer, JAX's asynchronous batch ends); the JSON has them per hook
-(`hooks`, and `warmup_hooks` for the warm-up).
+`on_train_end` of its callbacks (two timing callbacks without batch hooks):
+every hook and all training, not Keras's data setup before nor its teardown
+after, which are the same in every configuration. That teardown is where
+TensorFlow's `MirroredStrategy` over logical CPUs stalls now and then (2.5
+s, sometimes 5, 10 or 20 s, after a 3 s fit on 2 busy cores); `wall_times`
+in the JSON, whole `fit` calls, keep it. A ratio is a fit's time over the
+same round's `plain` fit: the median over rounds, with the quartiles; a
+second table gives the fastest fit over the fastest `plain` fit, as noise
+only adds time. The callbacks' hooks are timed on the training thread too
+(wrapped only where overridden, so Keras's dispatch is unchanged): their
+share shows where an overhead goes, less work on other threads (the backup
+writer, JAX's asynchronous batch ends); per hook in the JSON (`hooks`,
+`warmup_hooks`).
 
 On JAX, Keras runs batch ends on a thread pool without waiting for the
 step, unless a callback overrides `on_train_batch_end` without declaring
 `async_safe`. `DistributedLogger` declares it inside `fit` and keeps this
 asynchronous dispatch; `BackupAndRestore` does not (a save copies the state
-its batch left, so its batch ends run in order): with it Keras waits for
-each step before dispatching the next. `in-order` measures that cost alone:
-the JAX ratios of `BackupAndRestore` and `both` include it; the JSON also
-gives them over `in-order` (`vs_in_order`).
+its batch left), so with it Keras waits for each step before dispatching
+the next. `in-order` is that cost alone: the JAX ratios of
+`BackupAndRestore` and `both` include it (over `in-order`: `vs_in_order`
+in the JSON).
 
 A hazard: with few cores, a JAX `fit` with asynchronous dispatch over forced
-host devices can deadlock. One device's step waits in the all-reduce
+host devices can deadlock: one device's step waits in the all-reduce
 rendezvous while the pool thread that should launch the other device's part
-waits on an XLA semaphore; after 40 s XLA aborts the process ("Termination
-timeout for all reduce ... only 1 of them arrived"). Seen with gpt2,
-`plain`, on 2 cores, in about 1 of 10 runs of three 1000-step fits; a
-200 s `--xla_cpu_collective_call_terminate_timeout_seconds` shows it never
-resolves; `jax_cpu_enable_async_dispatch=False` and
+waits on an XLA semaphore, and after 40 s XLA aborts the process
+("Termination timeout for all reduce ... only 1 of them arrived"). Seen
+with gpt2, `plain`, 2 cores, in about 1 of 10 runs of three 1000-step fits.
+It never resolves: a terminate timeout of 200 s
+(`--xla_cpu_collective_call_terminate_timeout_seconds`) only delays the
+abort; `jax_cpu_enable_async_dispatch=False` and
 `--xla_cpu_multi_thread_eigen=false` do not avoid it; fits with in-order
 batch ends have not shown it. So a child that dies is rerun (`--retries`);
 a configuration that kills it again is dropped for that model and the rest
 measured without it (against `in-order` if `plain` is dropped, marked).
 Every abort is listed under the table and in the JSON.
 
-Run from the repository root:
+Run from the repository root (`--merge`: one table from several runs):
 
     .venv/bin/python benchmarks/model_overhead.py --models gpt2,bert,llama
     .venv/bin/python benchmarks/model_overhead.py --models convnexttiny \\
