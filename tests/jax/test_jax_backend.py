@@ -56,14 +56,16 @@ def test_one_device_without_a_distribution():
     assert keras_mgpu.global_batch_size(8) == 8
 
 
-def _all_reduces(model, x, y) -> int:
-    """All-reduces in the compiled train step, read from its HLO."""
+def compiled_collectives(model, x, y) -> dict:
+    """The collectives of the compiled train step, read from its HLO:
+    how many all-reduces, all-gathers and reduce-scatters."""
     state = model._get_jax_state(trainable_variables=True,
                                  non_trainable_variables=True,
                                  optimizer_variables=True,
                                  metrics_variables=True)
     text = jax.jit(model.train_step).lower(state, (x, y)).compile().as_text()
-    return len(re.findall(r"\ball-reduce(?:-start)?\(", text))
+    return {op: len(re.findall(rf"\b{op}(?:-start)?\(", text))
+            for op in ("all-reduce", "all-gather", "reduce-scatter")}
 
 
 @pytest.mark.parametrize("batch_norm", [False, True])
@@ -88,8 +90,8 @@ def test_the_in_step_program_all_reduces_once(data_parallel, optimizer,
             {"class_name": optimizer, "config": {"global_clipnorm": 1.0}}),
             "mse")
         model.fit(x[:batch], y[:batch], batch_size=batch, verbose=0)
-        counts[name] = _all_reduces(model, *[
-            jax.device_put(t[:batch], sharded) for t in (x, y)])
+        counts[name] = compiled_collectives(model, *[
+            jax.device_put(t[:batch], sharded) for t in (x, y)])["all-reduce"]
     # The in-step window (4 micro-batches of 4 rows per device) reduces
     # its gradient sums, sample count, loss (and moving statistics) once;
     # BatchNormalization's batch statistics add all-gathers, not

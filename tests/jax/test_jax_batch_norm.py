@@ -15,7 +15,6 @@ in-step mode are the same run: weights and moving statistics agree to
 float rounding.
 """
 
-import re
 import sys
 import threading
 
@@ -26,6 +25,7 @@ import pytest
 
 from keras_mgpu import GradientAccumulationModel
 from keras_mgpu import compat
+from tests.jax.test_jax_backend import compiled_collectives
 
 DEVICES, ACCUM, MICRO = 2, 4, 8
 BIG = ACCUM * MICRO
@@ -189,17 +189,6 @@ def test_the_modes_agree_on_the_same_micro_batches(runs, optimizer):
     assert moving > 1e-3, moving
 
 
-def _collectives(model, x, y) -> dict:
-    """The collectives of the compiled train step, read from its HLO."""
-    state = model._get_jax_state(trainable_variables=True,
-                                 non_trainable_variables=True,
-                                 optimizer_variables=True,
-                                 metrics_variables=True)
-    text = jax.jit(model.train_step).lower(state, (x, y)).compile().as_text()
-    return {op: len(re.findall(rf"\b{op}(?:-start)?\(", text))
-            for op in ("all-reduce", "all-gather", "reduce-scatter")}
-
-
 def test_what_the_synchronised_statistics_cost(data_parallel):
     # One all-reduce per in-step window either way (gradient sums, count,
     # loss and the averaged moving statistics). Each BatchNormalization
@@ -217,7 +206,7 @@ def test_what_the_synchronised_statistics_cost(data_parallel):
                                           mode="in_step")
         model.compile(keras.optimizers.Adam(0.01), "mse")
         model.fit(x, y, batch_size=BIG, verbose=0)
-        counts[batch_norm] = _collectives(model, x, y)
+        counts[batch_norm] = compiled_collectives(model, x, y)
     assert counts[False] == {
         "all-reduce": 1, "all-gather": 0, "reduce-scatter": 0}, counts
     norms = 2  # BatchNormalization layers of `mlp`
