@@ -87,6 +87,28 @@ def test_accumulated_step_equals_big_batch_step(optimizer, replicas):
         float(reference.optimizer.learning_rate.numpy()))
 
 
+@pytest.mark.parametrize("mode", ["window", "in_step"])
+def test_float64_model_across_replicas(mode):
+    """A float64 model's gradients go into the all-reduce with the float32
+    sample count (one all-reduce per dtype): the big-batch step, to
+    float64's precision."""
+    keras.config.set_floatx("float64")
+    try:
+        micro = [[a.astype("float64") for a in batch]
+                 for batch in micro_batches([8] * 8)]
+        big = [merge(micro[i:i + 4]) for i in range(0, 8, 4)]
+        reference = train(mirrored(1), batches_dataset(big),
+                          optimizer="sgd_momentum")
+        model = train(mirrored(2), batches_dataset(
+            micro if mode == "window" else big), accum_steps=4,
+            optimizer="sgd_momentum", mode=mode)
+    finally:
+        keras.config.set_floatx("float32")
+    assert {w.dtype for w in weights_of(model)} == {np.dtype("float64")}
+    assert int(model.optimizer.iterations.numpy()) == 2
+    assert max_diff(weights_of(model), weights_of(reference)) < 1e-12
+
+
 @pytest.mark.parametrize("replicas", [1, 2, 4])
 def test_sample_weights_and_unequal_micro_batches(replicas):
     sizes = [8, 6, 8, 5, 8, 8, 7, 4]

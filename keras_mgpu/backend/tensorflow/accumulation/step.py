@@ -116,13 +116,12 @@ class _StepMixin:
                     # named.
                     with tf.device(variable.value.device):
                         local.append(tf.identity(variable.value))
-            total = tf.distribute.get_replica_context().all_reduce(
-                tf.distribute.ReduceOp.SUM, local
-            )
+            total = _sum_across_replicas(local)
             scale = 1.0 / tf.maximum(total[-1], 1.0)
             out = [None] * len(variables)
             for i, g in zip(regular, total[:-1]):
-                out[i] = tf.cast(g * scale, variables[i].dtype)
+                out[i] = tf.cast(g * tf.cast(scale, g.dtype),
+                                 variables[i].dtype)
             # The optimizer overwrites these with their "gradient", unscaled
             # and unclipped, as it does outside the wrapper.
             for i, value in zip(overwrite, new_values):
@@ -172,3 +171,21 @@ class _StepMixin:
         # (the gradient overflows unscaled), so it stops at 1.
         optimizer.dynamic_scale.assign(
             tf.maximum(optimizer.dynamic_scale, MIN_LOSS_SCALE))
+
+
+def _sum_across_replicas(values):
+    """A SUM all-reduce of `values`, one per dtype (one in all but a
+    float64 model, whose gradients go with the float32 sample count):
+    TensorFlow packs a list into one tensor, which takes one dtype."""
+    groups = {}
+    for i, value in enumerate(values):
+        groups.setdefault(value.dtype, []).append(i)
+    context = tf.distribute.get_replica_context()
+    total = [None] * len(values)
+    for indices in groups.values():
+        reduced = context.all_reduce(
+            tf.distribute.ReduceOp.SUM, [values[i] for i in indices]
+        )
+        for i, value in zip(indices, reduced):
+            total[i] = value
+    return total
