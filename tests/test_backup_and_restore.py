@@ -952,6 +952,47 @@ def test_a_resume_that_would_change_the_math_is_refused(tmp_path, change,
     assert backup_files(backup_dir) == files
 
 
+def test_one_callback_across_fits_and_a_recompile(tmp_path, monkeypatch):
+    """A callback given to several fits walks the model once while it
+    saves the same objects, and again after a recompile with a new
+    optimizer: the save then holds the new optimizer's state, and the run
+    resumes exactly."""
+    from keras_mgpu import compat
+
+    walks = []
+    walk = compat.weights_layout
+    monkeypatch.setattr(compat, "weights_layout",
+                        lambda model: walks.append(1) or walk(model))
+    x, y = workers.regression_data(128)
+    backup_dir = str(tmp_path / "b")
+    model = _sgd_mlp()
+    callback = BackupAndRestore(backup_dir, save_freq=4)
+    for _ in range(2):
+        model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[callback])
+    assert len(walks) == 1
+    start = model.get_weights()
+    model.compile(keras.optimizers.Adam(0.05), "mse")
+    with pytest.raises(RuntimeError, match="crash"):
+        model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
+                  callbacks=[callback, _CrashAfter(12)])
+    assert len(walks) == 2
+
+    def adam_model():
+        fresh = _sgd_mlp()
+        fresh.set_weights(start)
+        fresh.compile(keras.optimizers.Adam(0.05), "mse")
+        return fresh
+
+    resumed, reference = adam_model(), adam_model()
+    resumed.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
+                callbacks=[BackupAndRestore(backup_dir)])
+    reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    assert int(resumed.optimizer.iterations.numpy()) == 16
+    for a, b in zip(resumed.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+
+
 def test_a_learning_rate_changed_by_a_callback_still_resumes(tmp_path):
     x, y = workers.regression_data(128)
     backup_dir = str(tmp_path / "b")

@@ -106,6 +106,7 @@ from keras_mgpu.compat.registry import WORKAROUNDS  # noqa: F401
 from keras_mgpu.compat.registry import Workaround  # noqa: F401
 from keras_mgpu.compat.registry import workarounds_table  # noqa: F401
 from keras_mgpu.compat.saving import WeightsLayout  # noqa: F401
+from keras_mgpu.compat.saving import layout_key  # noqa: F401
 from keras_mgpu.compat.saving import load_weights_file  # noqa: F401
 from keras_mgpu.compat.saving import weights_file  # noqa: F401
 from keras_mgpu.compat.saving import weights_layout  # noqa: F401

@@ -61,6 +61,17 @@ class WeightsLayout:
         return store.entries
 
 
+def layout_key(model) -> tuple:
+    """What `weights_layout(model)` depends on, cheap to compare (a walk
+    costs about 0.1 s for a 2-layer transformer): the objects Keras's walk
+    reaches are the model's layers (through their variables), its
+    optimizer and its metrics; a recompile, a new optimizer or a layer
+    added changes the key. An optimizer building its variables does not
+    (`WeightsLayout.read` lists them at each read)."""
+    return (id(getattr(model, "optimizer", None)),
+            tuple(map(id, model.metrics)), tuple(map(id, model.weights)))
+
+
 def _saves_through_numpy(saveable) -> bool:
     """Whether `saveable` saves with Keras's optimizer's own method, which
     stores `variable.numpy()` of each of its variables (upstream:

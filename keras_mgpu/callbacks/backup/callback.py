@@ -280,7 +280,7 @@ class BackupAndRestore(RuntimeCallback):
         if error is not None:
             warnings.warn(f"BackupAndRestore: the last save of an "
                           f"earlier fit failed: {error}", stacklevel=2)
-        self._host.forget_layout()
+        self._host.check_layout()
         model = self.model
         super().on_train_begin(logs)
         runtime = self.runtime

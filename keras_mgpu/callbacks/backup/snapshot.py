@@ -15,12 +15,16 @@ class HostSnapshot:
 
     def __init__(self):
         self._layout = None
+        self._key = None
+        self._check_key = False
         self._weights = None
 
-    def forget_layout(self) -> None:
-        """Walk the model again at the next read: a recompile or a new
-        optimizer changes where the values are."""
-        self._layout = None
+    def check_layout(self) -> None:
+        """At the next read, walk the model again if what it saves changed
+        since the last walk (a recompile, a new optimizer): called at each
+        `fit`'s start, as nothing changes it during one. The walk is most
+        of a small model's save."""
+        self._check_key = True
 
     def read(self, model, runtime) -> tuple:
         """(what `save_weights` writes, the RNG states it leaves out).
@@ -29,7 +33,12 @@ class HostSnapshot:
         variables are all-reduced on read) and for arrays sharded across
         JAX processes: every worker reads, in this order.
         """
+        if self._check_key:
+            self._check_key = False
+            if compat.layout_key(model) != self._key:
+                self._layout = None
         if self._layout is None:
+            self._key = compat.layout_key(model)
             self._layout = compat.weights_layout(model)
             self._weights = None
         # Keras's JAX `fit` trains on a state outside the variables.
