@@ -53,7 +53,8 @@ def test_sigkill_mid_window_resumes_exactly(two_replicas, run_workers, name,
 @pytest.mark.parametrize("name", MODEL_PARAMS)
 def test_saved_loaded_trained_and_exported(two_replicas, name, tmp_path):
     """The wrapper saved mid-window to `.keras` and loaded trains on as the
-    original does; the inner model exported for serving predicts as it."""
+    original does; the inner model exported for serving predicts as it
+    (float32 rounding: within 1e-4 of the largest output)."""
     entry = MODELS[name]
     x, y = entry.data(SAMPLES)
     path = str(tmp_path / "model.keras")
@@ -83,7 +84,11 @@ def test_saved_loaded_trained_and_exported(two_replicas, name, tmp_path):
     else:
         outputs = served.serve(tf.constant(batch))
     predicted = model.inner.predict(batch, verbose=0)
-    served_diff = float(np.abs(np.asarray(outputs) - predicted).max())
+    # Relative to the largest output: an untrained deep convnet's logits at
+    # inference (BatchNormalization's moving statistics barely moved from
+    # 0 and 1) reach 1e4 and more.
+    served_diff = float(np.abs(np.asarray(outputs) - predicted).max()
+                        / max(1.0, float(np.abs(predicted).max())))
     record(name, "save_load_export", trained_on_diff=diff,
            served_diff=served_diff)
     assert diff <= 1e-6
