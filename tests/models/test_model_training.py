@@ -33,9 +33,9 @@ def test_accumulation_meets_the_reference(two_replicas, float64, name, mode):
     With it, plain `fit` at the micro-batch size with its updates summed
     into one per window (Keras's own `gradient_accumulation_steps`): on
     TensorFlow each replica normalises its share of the micro-batch (one
-    device at the per-replica micro-batch, trainable weights compared: the
-    replicas' moving statistics are averaged each micro-step, which one
-    device cannot do); on JAX the global micro-batch (under the same
+    device at the per-replica micro-batch, trainable weights compared:
+    each replica keeps moving statistics of its own, as under stock
+    Keras, which one device cannot reproduce); on JAX the global micro-batch (under the same
     distribution, every weight compared).
 
     In float64 (the fixture): the convnets' last blocks normalise 4
