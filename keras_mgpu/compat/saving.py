@@ -67,7 +67,9 @@ def layout_key(model) -> tuple:
     reaches are the model's layers (through their variables), its
     optimizer and its metrics; a recompile, a new optimizer or a layer
     added changes the key. An optimizer building its variables does not
-    (`WeightsLayout.read` lists them at each read)."""
+    (`WeightsLayout.read` lists them at each read). Ids compare safely
+    while the layout lives: it holds these objects, so none is freed for
+    another to take its id."""
     return (id(getattr(model, "optimizer", None)),
             tuple(map(id, model.metrics)), tuple(map(id, model.weights)))
 
