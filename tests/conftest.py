@@ -77,6 +77,41 @@ def policy(request):
 
 
 @pytest.fixture
+def float64():
+    """float64 as Keras's float type and dtype policy, the previous ones
+    again afterwards (a policy set by an earlier test would otherwise keep
+    new layers in float32): where float32 rounding is amplified past what
+    a check can tell from a bug (tests/models/test_model_training.py). On
+    JAX also JAX's 64-bit mode, and Keras's type promotion kept at
+    float64: on backends other than TensorFlow it turns a promoted float64
+    into float32 (keras/src/backend/common/dtypes.py,
+    `BIT64_TO_BIT32_DTYPE`), so BatchNormalization, which promotes its
+    inputs with float32, would compute in float32 in a float64 model."""
+    previous = keras.config.floatx(), keras.config.dtype_policy()
+    keras.config.set_floatx("float64")
+    keras.config.set_dtype_policy("float64")
+    if keras.backend.backend() == "jax":
+        import jax
+        from keras.src.backend.common import dtypes
+
+        x64 = jax.enable_x64(True)
+        demoted = dtypes.BIT64_TO_BIT32_DTYPE["float64"]
+        dtypes.BIT64_TO_BIT32_DTYPE["float64"] = "float64"
+    else:
+        import contextlib
+
+        x64, dtypes = contextlib.nullcontext(), None
+    try:
+        with x64:
+            yield
+    finally:
+        keras.config.set_floatx(previous[0])
+        keras.config.set_dtype_policy(previous[1])
+        if dtypes is not None:
+            dtypes.BIT64_TO_BIT32_DTYPE["float64"] = demoted
+
+
+@pytest.fixture
 def reset_policy():
     """float32 as the global dtype policy after the test."""
     yield

@@ -88,22 +88,18 @@ def test_accumulated_step_equals_big_batch_step(optimizer, replicas):
 
 
 @pytest.mark.parametrize("mode", ["window", "in_step"])
-def test_float64_model_across_replicas(mode):
+def test_float64_model_across_replicas(float64, mode):
     """A float64 model's gradients go into the all-reduce with the float32
     sample count (one all-reduce per dtype): the big-batch step, to
     float64's precision."""
-    keras.config.set_floatx("float64")
-    try:
-        micro = [[a.astype("float64") for a in batch]
-                 for batch in micro_batches([8] * 8)]
-        big = [merge(micro[i:i + 4]) for i in range(0, 8, 4)]
-        reference = train(mirrored(1), batches_dataset(big),
-                          optimizer="sgd_momentum")
-        model = train(mirrored(2), batches_dataset(
-            micro if mode == "window" else big), accum_steps=4,
-            optimizer="sgd_momentum", mode=mode)
-    finally:
-        keras.config.set_floatx("float32")
+    micro = [[a.astype("float64") for a in batch]
+             for batch in micro_batches([8] * 8)]
+    big = [merge(micro[i:i + 4]) for i in range(0, 8, 4)]
+    reference = train(mirrored(1), batches_dataset(big),
+                      optimizer="sgd_momentum")
+    model = train(mirrored(2), batches_dataset(
+        micro if mode == "window" else big), accum_steps=4,
+        optimizer="sgd_momentum", mode=mode)
     assert {w.dtype for w in weights_of(model)} == {np.dtype("float64")}
     assert int(model.optimizer.iterations.numpy()) == 2
     assert max_diff(weights_of(model), weights_of(reference)) < 1e-12
