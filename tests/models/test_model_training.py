@@ -35,8 +35,8 @@ def test_accumulation_meets_the_reference(two_replicas, float64, name, mode):
     TensorFlow each replica normalises its share of the micro-batch (one
     device at the per-replica micro-batch, trainable weights compared:
     each replica keeps moving statistics of its own, as under stock
-    Keras, which one device cannot reproduce); on JAX the global micro-batch (under the same
-    distribution, every weight compared).
+    Keras, which one device cannot reproduce); on JAX the global
+    micro-batch (under the same distribution, every weight compared).
 
     In float64 (the fixture): the convnets' last blocks normalise 4
     samples at 1x1, which amplifies float32 rounding past what the check
