@@ -25,7 +25,6 @@ from tests.models.matrix import (
 # --- accumulation ------------------------------------------------------------
 
 
-
 @pytest.mark.parametrize("mode", ["window", "in_step"])
 @pytest.mark.parametrize("name", MODEL_PARAMS)
 def test_accumulation_meets_the_reference(two_replicas, float64, name, mode):

@@ -16,7 +16,7 @@ class HostSnapshot:
     def __init__(self):
         self._layout = None
         self._key = None
-        self._check_key = False
+        self._check_key = True
         self._weights = None
 
     def check_layout(self) -> None:
@@ -35,10 +35,10 @@ class HostSnapshot:
         """
         if self._check_key:
             self._check_key = False
-            if compat.layout_key(model) != self._key:
-                self._layout = None
+            key = compat.layout_key(model)
+            if key != self._key:
+                self._key, self._layout = key, None
         if self._layout is None:
-            self._key = compat.layout_key(model)
             self._layout = compat.weights_layout(model)
             self._weights = None
         # Keras's JAX `fit` trains on a state outside the variables.
