@@ -225,6 +225,95 @@ def test_batch_norm_sees_micro_batches():
     assert max_diff(all_weights(synced), all_weights(model)) < 1e-5
 
 
+def replica_statistics(model):
+    """Each replica's moving mean and variance (lists over replicas)."""
+    strategy = model.distribute_strategy
+    return [[t.numpy() for t in strategy.experimental_local_results(v.value)]
+            for v in model.inner.non_trainable_variables]
+
+
+@pytest.mark.parametrize("mode, partial_window", [
+    ("window", "apply"), ("window", "carry"), ("window", "drop"),
+    ("in_step", "apply")])
+def test_batch_norm_moving_statistics_are_the_replicas_mean(mode,
+                                                            partial_window):
+    """Stock Keras under `MirroredStrategy` leaves each replica's moving
+    statistics apart; the wrapper averages them at every window's end and
+    at an epoch's end mid-window: the mean of stock Keras's replicas, fed
+    the same micro-batches (learning rate 0, so the weights the statistics
+    come from stay the same), and one value on every replica."""
+    data = regression()
+    sgd = lambda steps: keras.optimizers.SGD(0.0)  # noqa: E731
+    # 10 micro-batches of 8: two windows of 4 and 2 left for the epoch's end.
+    micro = split(tuple(a[:80] for a in data), 8)
+    if mode == "in_step":
+        # A big batch's k-th micro-batch: each replica's k-th rows.
+        micro, big = micro[:8], []
+        for window in (micro[:4], micro[4:]):
+            halves = [[b[i][:4] for b in window] + [b[i][4:] for b in window]
+                      for i in range(2)]
+            big.append(tuple(np.concatenate(h) for h in halves))
+        feed = big
+    else:
+        feed = micro
+    stock = fit(bn_mlp, tuple(np.concatenate(a) for a in zip(*micro)), 8,
+                sgd, replicas=2, loss="mse")
+    with mirrored(2).scope():
+        model = GradientAccumulationModel(
+            bn_mlp(), accum_steps=4, mode=mode, partial_window=partial_window)
+        model.compile(sgd(None), "mse")
+    model.fit(batches_dataset(feed), verbose=0, shuffle=False)
+    strategy = stock.distribute_strategy
+    for ours, theirs in zip(replica_statistics(model), [
+            [t.numpy() for t in strategy.experimental_local_results(v.value)]
+            for v in stock.non_trainable_variables]):
+        assert max_diff([theirs[0]], [theirs[1]]) > 1e-2  # stock: apart
+        assert max_diff([ours[0]], [ours[1]]) == 0.0
+        assert max_diff([ours[0]], [(theirs[0] + theirs[1]) / 2]) < 1e-6
+
+
+def test_a_save_mid_window_keeps_the_replicas_mean(tmp_path):
+    """A backup taken mid-window (replicas' moving statistics apart) keeps
+    their mean: a run stopped after it and resumed ends where the
+    uninterrupted run ends, statistics included (one saving the first
+    replica's copy ends 4e-3 away)."""
+    from keras_mgpu.callbacks import BackupAndRestore
+
+    x, y = regression()
+
+    class Stop(Exception):
+        pass
+
+    def run(backup_dir=None, stop_after=None):
+        def on_batch_end(batch, logs):
+            if batch + 1 == stop_after:
+                raise Stop()
+
+        callbacks = [keras.callbacks.LambdaCallback(on_batch_end=on_batch_end)]
+        if backup_dir:
+            # Saves after batches 3 and 6: mid-window (accum_steps=2).
+            callbacks.insert(0, BackupAndRestore(backup_dir, save_freq=3))
+        with mirrored(2).scope():
+            model = GradientAccumulationModel(bn_mlp(), accum_steps=2)
+            model.compile(keras.optimizers.SGD(0.05, momentum=0.9), "mse")
+        try:
+            model.fit(x[:40], y[:40], batch_size=8, shuffle=False, verbose=0,
+                      callbacks=callbacks)
+        except Stop:
+            pass
+        return model
+
+    full = run()
+    run(str(tmp_path / "backup"), stop_after=5)  # resumes after batch 3
+    resumed = run(str(tmp_path / "backup"))
+    assert int(resumed.optimizer.iterations.numpy()) == 3
+    for ours, theirs in zip(replica_statistics(resumed),
+                            replica_statistics(full)):
+        assert max_diff([ours[0]], [ours[1]]) == 0.0
+        assert max_diff([ours[0]], [theirs[0]]) < 1e-6
+    assert max_diff(weights_of(resumed), weights_of(full)) < 1e-6
+
+
 @pytest.fixture
 def mixed_float16():
     keras.mixed_precision.set_global_policy("mixed_float16")

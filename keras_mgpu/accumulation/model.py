@@ -97,7 +97,10 @@ class GradientAccumulationModel(_WindowMixin,
     the micro-batch size and with Keras's `gradient_accumulation_steps`; so
     a model with BatchNormalization does not train exactly as on the big
     batch. In window mode `BatchNormalization(synchronized=True)` computes
-    them over all replicas' micro-batches.
+    them over all replicas' micro-batches. Under a `tf.distribute`
+    strategy each replica moves its own copy of the moving averages within
+    a window, and the window's end sets every copy to their mean (stock
+    Keras never does: replicas would predict differently).
 
     The wrapper has the wrapped model's `output_names`: losses, metrics,
     loss weights and targets keyed by output name work as they do for the

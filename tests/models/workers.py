@@ -34,15 +34,21 @@ def train(name, backup_dir=None, kill_at=None, scope=None):
     entry = MODELS[name]
     x, y = entry.data(SAMPLES)
     seen = []
+    backup = None if backup_dir is None else BackupAndRestore(
+        backup_dir, save_freq=SAVE_FREQ)
 
     def on_batch_end(batch, logs):
         seen.append(batch)
         if len(seen) == kill_at:
+            # The save in flight finishes first, so the resume starts from
+            # the same generation on every run, not from whichever write
+            # beat the kill.
+            backup._finish_write()
             os.kill(os.getpid(), signal.SIGKILL)
 
     callbacks = [keras.callbacks.LambdaCallback(on_batch_end=on_batch_end)]
-    if backup_dir is not None:
-        callbacks.insert(0, BackupAndRestore(backup_dir, save_freq=SAVE_FREQ))
+    if backup is not None:
+        callbacks.insert(0, backup)
     with (scope() if scope else contextlib.nullcontext()):
         model = GradientAccumulationModel(entry.build(), accum_steps=ACCUM)
         model.compile(keras.optimizers.Adam(1e-3),

@@ -44,6 +44,14 @@ class HostSnapshot:
         # Keras's JAX `fit` trains on a state outside the variables.
         runtime.sync_variables()
         to_host = runtime.host_array
+        # A `GradientAccumulationModel` across TensorFlow replicas: their
+        # moving statistics part within a window, and the save keeps their
+        # mean (a collective).
+        means = getattr(model, "_replica_statistics_means", dict)()
+        if means:
+            def to_host(value, read=to_host):
+                mean = means.get(id(value))
+                return read(value) if mean is None else mean
         # Into the previous save's arrays: its write has finished.
         self._weights = self._layout.read(into=self._weights, to_host=to_host)
         extra = [np.array(to_host(v)) for v in unsaved_variables(model)]

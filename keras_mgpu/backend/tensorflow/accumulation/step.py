@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from keras_mgpu import compat
@@ -106,17 +107,23 @@ class _StepMixin:
             new_values = self._replica_max(
                 strategy, [sums[i] for i in overwrite])
 
+        statistics = self._replica_statistics()
+
         def all_reduce(local=None):
             if local is None:
-                local = []
-                for variable in [self._accumulators[i] for i in regular] + [
-                        self._sample_count]:
-                    # Placed reads: a multi-worker all-reduce sends its
-                    # result to the devices of its inputs, and needs them
-                    # named.
-                    with tf.device(variable.value.device):
-                        local.append(tf.identity(variable.value))
-            total = _sum_across_replicas(local)
+                local = _placed_reads(
+                    [self._accumulators[i] for i in regular]
+                    + [self._sample_count])
+            # The moving statistics ride on the window's all-reduce.
+            total = _sum_across_replicas(
+                list(local) + _placed_reads(statistics))
+            for variable, mean in zip(statistics, _means(
+                    statistics, total[len(local):])):
+                # A `MirroredVariable` without aggregation (as
+                # BatchNormalization's) takes a replica-local assign into
+                # that replica's copy alone.
+                variable.assign(mean)
+            total = total[:len(local)]
             scale = 1.0 / tf.maximum(total[-1], 1.0)
             out = [None] * len(variables)
             for i, g in zip(regular, total[:-1]):
@@ -162,6 +169,62 @@ class _StepMixin:
         if sums is None:
             self._reset_window()
 
+    def _replica_statistics(self) -> list:
+        """The variables each replica updates on its own, which every
+        window averages: the moving mean and variance of each
+        BatchNormalization that trains them. Stock Keras leaves them
+        apart under `MirroredStrategy` (tensorflow/tensorflow#46488), so
+        replicas would predict differently and a save would keep the
+        first's. `synchronized=True` ones are the same on every replica."""
+        if self.distribute_strategy.num_replicas_in_sync == 1:
+            return []
+        return [
+            variable for layer in compat.sublayers(self.inner)
+            if isinstance(layer, keras.layers.BatchNormalization)
+            and layer.trainable and not layer.synchronized
+            for variable in (layer.moving_mean, layer.moving_variance)
+        ]
+
+    def _replica_statistics_means(self) -> dict:
+        """Cross-replica, outside a step: each moving statistic's mean over
+        the replicas, by the variable's id, in host memory (a collective:
+        every worker calls it). What a save mid-window keeps, where the
+        replicas' copies part; the variables are left as they are, so the
+        run trains on as it would have without the save. Empty where no
+        window is open: the window's end made the copies agree."""
+        statistics = self._replica_statistics()
+        if not statistics or self.micro_step == 0:
+            return {}
+        key = tuple(id(v) for v in statistics)
+        strategy = self.distribute_strategy
+        if key != self._means_key:
+
+            @tf.function
+            def means():
+                return strategy.experimental_local_results(
+                    strategy.extended.call_for_each_replica(
+                        lambda: _means(statistics, _sum_across_replicas(
+                            _placed_reads(statistics)))))[0]
+
+            self._means_key, self._means_function = key, means
+        with strategy.scope():
+            values = self._means_function()
+        return {id(v): np.asarray(m) for v, m in zip(statistics, values)}
+
+    def _sync_replica_statistics(self) -> None:
+        """Sets every replica's moving statistics to their mean, at an
+        epoch's end that leaves a window open: what follows (validation,
+        `predict`, `save`, `export`) sees one set. As the update is affine
+        with the same factor on every replica, the window's end (which
+        averages) comes out the same, up to rounding."""
+        statistics = self._replica_statistics()
+        means = self._replica_statistics_means()
+        with self.distribute_strategy.scope():
+            for variable in statistics:
+                variable.assign(means[id(variable)])
+
+    _means_key = None
+
     @staticmethod
     def _skip_window(optimizer):
         compat.loss_scale_skip(optimizer)
@@ -189,3 +252,21 @@ def _sum_across_replicas(values):
         for i, value in zip(indices, reduced):
             total[i] = value
     return total
+
+
+def _placed_reads(variables) -> list:
+    """Replica-local: each variable's local value, read on its device. A
+    multi-worker all-reduce sends its result to the devices of its inputs,
+    and needs them named."""
+    values = []
+    for variable in variables:
+        with tf.device(variable.value.device):
+            values.append(tf.identity(variable.value))
+    return values
+
+
+def _means(variables, sums) -> list:
+    """Replica-local: each variable's sum over the replicas divided by
+    their count."""
+    replicas = tf.distribute.get_replica_context().num_replicas_in_sync
+    return [total / tf.cast(replicas, total.dtype) for total in sums]

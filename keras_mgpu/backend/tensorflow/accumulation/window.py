@@ -68,7 +68,13 @@ class _WindowStepMixin:
 
     def _finish_epoch(self):
         """Handles a window cut short by the end of an epoch."""
-        if self.partial_window == "carry" or self.micro_step == 0:
+        if self.micro_step == 0:
+            return
+        if self.partial_window != "apply":
+            # What follows (validation, a save, the next fit's `predict`)
+            # sees one set of moving statistics; applying averages them.
+            self._sync_replica_statistics()
+        if self.partial_window == "carry":
             return
         if self._epoch_end_function is None:
             strategy = self.distribute_strategy
