@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Callable, Optional, Sequence
+import shutil
+from typing import Callable, Mapping, Optional, Sequence
 
 MODELS = ("resnet", "mlp")
 PRECISIONS = ("float32", "mixed", "mixed_bfloat16", "mixed_float16")
@@ -405,8 +406,41 @@ def _check_launch(args: argparse.Namespace) -> None:
         args.subparser.error(
             "no command to run: put it after '--', e.g. keras-mgpu launch "
             "--workers 2 -- python train.py")
+    try:
+        check_program(args.program)
+    except OSError as e:
+        args.subparser.error(str(e))
     if (args.hang_timeout is None) != (args.progress_file is None):
         args.subparser.error(
             "--hang-timeout and --progress-file go together: the workers "
             "are restarted when that file has not changed for that long. "
             "Pass both, or neither.")
+
+
+def check_program(command: Sequence[str], cwd: Optional[str] = None,
+                  env: Optional[Mapping[str, str]] = None) -> None:
+    """Checks that a worker's command line names a program that can run,
+    before any worker starts (where the workers' `Popen` looks: `PATH`
+    of `env`, or a path relative to `cwd`).
+
+    Raises:
+        FileNotFoundError: no such program.
+        PermissionError: it is not an executable file.
+    """
+    program = command[0]
+    if os.sep not in program:
+        search = (env if env is not None else os.environ).get("PATH")
+        if shutil.which(program, path=search) is None:
+            raise FileNotFoundError(
+                f"the command {program!r} is not found on PATH. Give its "
+                "path, or install it (a Python script: put python before "
+                "it).")
+        return
+    path = os.path.join(cwd or os.getcwd(), program)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"the command {program!r} does not exist.")
+    if os.path.isdir(path) or not os.access(path, os.X_OK):
+        raise PermissionError(
+            f"the command {program!r} is not an executable file. Make it "
+            "one (chmod +x), or run it with its interpreter (python "
+            f"{program}).")

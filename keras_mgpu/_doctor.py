@@ -57,6 +57,7 @@ from keras_mgpu._doctor_nvidia_smi import parse_gpu_query
 from keras_mgpu._doctor_nvidia_smi import parse_topology
 from keras_mgpu._doctor_nvidia_smi import run_nvidia_smi
 from keras_mgpu._version import __version__
+from keras_mgpu.slurm import slurm_task
 
 # Feature (the pip extra of the same name) -> display names it needs; defined
 # with the argument parser, which must not import TensorFlow.
@@ -234,20 +235,38 @@ def collect(
     for smi in smi_gpus[len(tf_gpus):]:
         gpus.append({**smi, "visible_to_tensorflow": False})
 
-    # The cluster, and what auto_strategy() would pick (the pure selection).
+    # The cluster, and what auto_strategy() would pick (the pure selection),
+    # from where it reads it: TF_CONFIG, else an `srun` step's variables.
     tf_config = env.get("TF_CONFIG", "")
-    cluster: dict[str, Any] = {"tf_config_set": bool(tf_config.strip()),
-                               "valid": True, "error": None}
-    kind = None
-    try:
-        info = strategy_lib.parse_tf_config(tf_config)
-    except ValueError as e:
-        cluster.update(valid=False, error=str(e), num_workers=1,
-                       task_type=None, task_index=0, worker_index=0,
-                       is_chief=True, cluster={})
+    source = "TF_CONFIG" if tf_config.strip() else None
+    kind, info, error = None, None, None
+    if source is None:
+        try:
+            task = slurm_task(env)
+        except ValueError as e:
+            source, error = "SLURM step", e
+        else:
+            if task is not None:
+                tf_config, source = task.tf_config, "SLURM step"
+    if error is None:
+        try:
+            info = strategy_lib.parse_tf_config(tf_config)
+        except ValueError as e:
+            error = e
+    cluster: dict[str, Any] = {"tf_config_set": source is not None,
+                               "source": source, "valid": error is None,
+                               "error": None if error is None else str(error)}
+    if error is not None:
+        cluster.update(num_workers=1, task_type=None, task_index=0,
+                       worker_index=0, is_chief=True, cluster={})
         findings.append(_finding(
-            "error", "tf_config_invalid", f"TF_CONFIG is malformed: {e}",
-            "Fix or unset TF_CONFIG: auto_strategy() raises this same error."))
+            "error", "tf_config_invalid", f"TF_CONFIG is malformed: {error}",
+            "Fix or unset TF_CONFIG: auto_strategy() raises this same error."
+        ) if source == "TF_CONFIG" else _finding(
+            "error", "slurm_invalid",
+            f"The SLURM step's variables place no cluster: {error}",
+            "Fix them, or set TF_CONFIG: auto_strategy() raises this same "
+            "error."))
     else:
         cluster.update(num_workers=info.num_workers, task_type=info.task_type,
                        task_index=info.task_index,
@@ -409,9 +428,10 @@ def format_report(report: Mapping[str, Any]) -> str:
                    "PHB = PCIe host bridge; NODE/SYS = across host bridges "
                    "/ CPU sockets")
     cluster = report["cluster"]
-    out += ["", "Cluster (TF_CONFIG)"]
+    out += ["", f"Cluster ({cluster.get('source') or 'TF_CONFIG'})"]
     if not cluster["tf_config_set"]:
-        out.append("  not set: a single process")
+        out.append("  not set, and no SLURM step of 2 or more tasks: a "
+                   "single process")
     elif not cluster["valid"]:
         out.append("  INVALID (see findings)")
     else:

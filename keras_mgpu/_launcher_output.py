@@ -93,9 +93,12 @@ class _Echo:
 
 
 def _read(f) -> str:
+    """A worker's output so far, whatever its bytes: text that is not
+    UTF-8 (a C library's message, a binary dump) is decoded with
+    replacement characters, not an error that ends the supervision."""
     f.flush()
-    with open(f.name) as again:
-        return again.read()
+    with open(f.name, "rb") as again:
+        return again.read().decode(errors="replace")
 
 
 def _collect(procs, files, workdir, killed, stopped=()):

@@ -49,6 +49,7 @@ from keras_mgpu._supervisor import LaunchError  # noqa: F401
 from keras_mgpu._supervisor import LaunchResult
 from keras_mgpu.callbacks.backup.exit_codes import LAUNCH_RESTART_EXIT_CODES
 from keras_mgpu.strategy import make_tf_config
+from keras_mgpu_args import check_program
 
 RESULT_ENV = "KERAS_MGPU_RESULT"
 # The attempt number `launch` gives each worker: 1, then 2 after a restart.
@@ -140,7 +141,12 @@ def _command(target: Target, kwargs: Mapping[str, Any], args: Sequence[str]):
             f"JSON ({e}); got {dict(kwargs)!r}. Pass lists, numbers and "
             "strings (e.g. array.tolist()) or paths to files."
         ) from None
-    return [sys.executable, "-c", _BOOTSTRAP, target, encoded]
+    # The function's module is importable here: the worker, the same
+    # interpreter, searches where this process does (given to the
+    # bootstrap, not to PYTHONPATH, which every process the worker starts
+    # would inherit).
+    search_path = json.dumps([p for p in sys.path if p])
+    return [sys.executable, "-c", _BOOTSTRAP, target, encoded, search_path]
 
 
 def run_local_workers(
@@ -419,9 +425,6 @@ def _run_cluster(command: list, num_workers: int, extras: list, *,
     addresses = [f"localhost:{p}" for p in free_ports(num_workers)]
     procs, files = [], []
     echoer = _Echo(echo, files, labels)
-    python_path = os.pathsep.join(
-        [p for p in sys.path if p] + [os.environ.get("PYTHONPATH", "")]
-    )
     # Holds each worker's stdout, stderr and result file until they are read
     # into its WorkerResult; removed however the run ends.
     workdir = tempfile.mkdtemp(prefix="keras_mgpu_workers_")
@@ -430,7 +433,6 @@ def _run_cluster(command: list, num_workers: int, extras: list, *,
             child_env = dict(os.environ)
             child_env.update(
                 TF_CONFIG=make_tf_config(addresses, i),
-                PYTHONPATH=python_path,
                 PYTHONUNBUFFERED="1",
             )
             child_env[RESULT_ENV] = os.path.join(workdir, f"result{i}.json")
@@ -487,6 +489,9 @@ def _worker_setup(target, num_workers: int, kwargs, args, env, cwd,
     # A bad environment fails Popen for one worker after the others started.
     extras = [_check_env(env(i) if callable(env) else env, i, env)
               for i in range(num_workers)]
+    # Popen would fail only once the launcher had started (the supervisor
+    # imports TensorFlow), with a traceback.
+    check_program(command, cwd, {**os.environ, **extras[0]})
     return command, labels, extras
 
 
@@ -671,6 +676,7 @@ def _kill_all(procs) -> None:
 # worker starts fast), calls it, and commits its JSON result atomically.
 _BOOTSTRAP = """
 import importlib, json, os, sys
+sys.path += [p for p in json.loads(sys.argv[3]) if p not in sys.path]
 module_name, _, qualname = sys.argv[1].partition(":")
 fn = importlib.import_module(module_name)
 for part in qualname.split("."):

@@ -13,6 +13,8 @@ fails on nodes without GPUs). Standard library only.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
 import os
 import re
 from typing import Mapping, Optional
@@ -147,41 +149,67 @@ def gpu_share(local_rank: int, local_tasks: int, num_gpus: int
 def expand_hostlist(text: str) -> list:
     """SLURM's compressed host list as host names, in order.
 
+    The hosts are counted before they are expanded: a list of more than
+    `MAX_HOSTS` is refused, as is any malformed range, by name.
+
+    Raises:
+        ValueError: naming the malformed part, or the count over the limit.
+
     Example:
 
     >>> expand_hostlist("gpu[01-02,07],login,rack[1-2]-n[1-2]")
     ['gpu01', 'gpu02', 'gpu07', 'login', 'rack1-n1', 'rack1-n2', \
 'rack2-n1', 'rack2-n2']
     """
-    hosts = []
-    for item in _top_level_items(text):
-        hosts += _expand_item(item)
-    return hosts
+    items = [_parse_item(item, text) for item in _top_level_items(text)]
+    count = sum(math.prod(getattr(choices, "size", 1) for choices in item)
+                for item in items)
+    _check_count(count, "hosts", f"SLURM_STEP_NODELIST={text!r}")
+    return ["".join(parts) for item in items
+            for parts in itertools.product(*item)]
 
 
 def expand_tasks_per_node(text: str) -> list:
-    """`SLURM_STEP_TASKS_PER_NODE` (`"2(x3),1"`) as one count per node.
+    """`SLURM_STEP_TASKS_PER_NODE` (`"2(x3),1"`) as one count per node,
+    counted before it is expanded (at most `MAX_HOSTS` nodes).
 
     Example:
 
     >>> expand_tasks_per_node("2(x3),1")
     [2, 2, 2, 1]
     """
-    counts = []
+    runs = []
     for item in text.split(","):
         match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", item)
         if match is None:
             raise ValueError(
                 f"SLURM_STEP_TASKS_PER_NODE={text!r}: {item!r} is not a "
                 "count such as 2 or 2(x3).")
-        counts += [int(match.group(1))] * int(match.group(2) or 1)
-    return counts
+        runs.append((int(match.group(1)), int(match.group(2) or 1)))
+    _check_count(sum(repeat for _, repeat in runs), "nodes",
+                 f"SLURM_STEP_TASKS_PER_NODE={text!r}")
+    return [count for count, repeat in runs for _ in range(repeat)]
+
+
+# More nodes than any SLURM cluster has; a list longer than this is a
+# corrupt variable, which expanded would exhaust memory.
+MAX_HOSTS = 65536
+
+
+def _check_count(count: int, what: str, where: str) -> None:
+    if count > MAX_HOSTS:
+        raise ValueError(
+            f"{where} names {count} {what}, more than the {MAX_HOSTS} "
+            "keras-mgpu accepts: check the variable, or set TF_CONFIG "
+            "yourself.")
 
 
 def _top_level_items(text: str) -> list:
     items, depth, start = [], 0, 0
     for i, char in enumerate(text):
         depth += {"[": 1, "]": -1}.get(char, 0)
+        if depth not in (0, 1):
+            break  # a "]" before its "[", or brackets inside brackets
         if char == "," and depth == 0:
             items.append(text[start:i])
             start = i + 1
@@ -192,23 +220,47 @@ def _top_level_items(text: str) -> list:
     return [item.strip() for item in items]
 
 
-def _expand_item(item: str) -> list:
-    open_at = item.find("[")
-    if open_at < 0:
-        return [item]
-    close_at = item.index("]", open_at)
-    prefix, rest = item[:open_at], item[close_at + 1:]
-    values = []
-    for part in item[open_at + 1:close_at].split(","):
-        low, _, high = part.partition("-")
-        if not low.isdigit() or (high and not high.isdigit()):
-            raise ValueError(f"Host range [{part}] in {item!r} is not "
-                             "numbers such as 01-04.")
-        width = len(low)
-        values += [str(n).zfill(width)
-                   for n in range(int(low), int(high or low) + 1)]
-    return [prefix + value + tail for value in values
-            for tail in _expand_item(rest)]
+def _parse_item(item: str, text: str) -> list:
+    """One host pattern as its parts' choices, unexpanded: a literal is
+    one choice, a bracket a `range` of numbers (formatted lazily)."""
+    parts, end = [], 0
+    for match in re.finditer(r"\[([^\[\]]*)\]|[^\[\]]+", item):
+        if match.start() != end:
+            break
+        end = match.end()
+        body = match.group(1)
+        parts.append([match.group(0)] if body is None
+                     else _Numbers(body, item, text))
+    if end != len(item):
+        raise ValueError(f"SLURM_STEP_NODELIST={text!r}: {item!r} is not a "
+                         "host pattern such as node[01-04].")
+    return parts
+
+
+class _Numbers:
+    """A bracket's numbers (`01-04,07`), zero-padded as written."""
+
+    def __init__(self, body: str, item: str, text: str):
+        self._ranges = []
+        for part in body.split(","):
+            match = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+            low = None if match is None else int(match.group(1))
+            high = None if match is None else int(match.group(2) or low)
+            if match is None or high < low:
+                raise ValueError(
+                    f"SLURM_STEP_NODELIST={text!r}: [{part}] in {item!r} is "
+                    "not a number or an ascending range such as 01-04.")
+            self._ranges.append((low, high, len(match.group(1))))
+
+    @property
+    def size(self) -> int:
+        # Not `__len__`, which cannot return more than `sys.maxsize`.
+        return sum(high - low + 1 for low, high, _ in self._ranges)
+
+    def __iter__(self):
+        for low, high, width in self._ranges:
+            for n in range(low, high + 1):
+                yield str(n).zfill(width)
 
 
 def _get(env: Mapping[str, str], name: str) -> str:

@@ -238,6 +238,16 @@ def auto_strategy(
             f"startup_timeout must be a positive number of seconds or None "
             f"(wait without limit), got {startup_timeout!r}."
         )
+    if keras.backend.backend() != "tensorflow":
+        # Keras uses a tf.distribute strategy on its TensorFlow backend only.
+        raise RuntimeError(
+            f"auto_strategy() builds a tf.distribute strategy, which Keras "
+            f"uses on its TensorFlow backend; this process runs Keras on "
+            f"{keras.backend.backend()!r}. There, distribute with "
+            "keras.distribution: keras.distribution.set_distribution("
+            "keras.distribution.DataParallel()) trains on every local "
+            "device (keras_mgpu's callbacks and GradientAccumulationModel "
+            "work under it); or set KERAS_BACKEND=tensorflow.")
     from keras_mgpu import compat
 
     _use_slurm_step()

@@ -189,9 +189,15 @@ def test_sigterm_saves_and_exits_with_the_restart_code(
     assert results[0].returncode in RETRIED_EXIT_CODES["tfjob"].codes
     assert results[0].returncode == RESTART_EXIT_CODE == list_presets()[
         "preemptible"]["exit_code"]
-    assert "SIGTERM received; saved generation 1" in results[0].stderr
+    # Paused at global batch 10 of 6-batch epochs. Epochs counted from 1
+    # in both messages (the save said "epoch 1, batch 4", the resume
+    # "epoch 2, step 4").
+    assert ("SIGTERM received; saved generation 1 at epoch 2, step 4."
+            in results[0].stderr)
     assert generation_lib.generations(str(backup_dir)) == [1]
     resumed = run(run_workers, backup_dir, save_freq=1000)[0]
+    assert "resumed from backup generation 1 at epoch 2, step 4 " in (
+        resumed.stdout)
     assert resumed.result["iterations"] == full["iterations"] == 24
     assert max_diff(resumed.result["weights"], full["weights"]) <= 1e-6
 
@@ -1215,6 +1221,92 @@ def test_a_second_live_run_on_one_backup_dir_is_refused(tmp_path):
     # The owner finished and released it: the directory is free again.
     model.fit(x, y, batch_size=16, epochs=1, verbose=0,
               callbacks=[BackupAndRestore(str(backup_dir))])
+
+
+def test_the_folder_is_claimed_before_anything_is_written(tmp_path,
+                                                          monkeypatch):
+    """The owner lock comes before the write probe: the loser of two runs
+    started at once named the folder unwritable (its probe file swept by
+    the winner's restore), not the owner."""
+    from keras_mgpu.callbacks.backup import store as store_lib
+
+    backup_dir = tmp_path / "b"
+    locked_at_probe = []
+    probe = store_lib.GenerationStore.check_writable
+
+    def check_writable(self):
+        locked_at_probe.append((backup_dir / "LOCK.json").exists())
+        return probe(self)
+
+    monkeypatch.setattr(store_lib.GenerationStore, "check_writable",
+                        check_writable)
+    x, y = workers.regression_data(32)
+    model = workers.build_mlp()
+    model.compile("sgd", "mse")
+    model.fit(x, y, batch_size=16, verbose=0,
+              callbacks=[BackupAndRestore(str(backup_dir))])
+    assert locked_at_probe == [True]
+    # An unwritable folder, where the lock cannot be taken: named as that
+    # by test_unwritable_backup_dir.
+
+
+def test_two_fits_of_one_process_on_one_backup_dir(tmp_path):
+    """A fit on another thread holds the folder: a second fit there is
+    refused, naming this process (both trained into it, both wrote the
+    same generations). Once the first is done (returned, or raised and
+    never released the lock), the folder is free."""
+    import threading
+
+    from keras_mgpu.callbacks import BackupDirInUse
+
+    backup_dir = str(tmp_path / "b")
+    x, y = workers.regression_data(64)
+    started, finish = threading.Event(), threading.Event()
+    outcome = {}
+
+    class Hold(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            started.set()
+            assert finish.wait(timeout=workers.HOLD_SECONDS)
+
+    def first():
+        model = workers.build_mlp()
+        model.compile("sgd", "mse")
+        try:
+            model.fit(x, y, batch_size=16, epochs=1, verbose=0,
+                      callbacks=[BackupAndRestore(backup_dir), Hold()])
+        except BaseException as e:  # shown by the assertion below
+            outcome["error"] = e
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    try:
+        assert started.wait(timeout=workers.HOLD_SECONDS)
+        model = workers.build_mlp()
+        model.compile("sgd", "mse")
+        with pytest.raises(BackupDirInUse,
+                           match=r"is in use by another run of this "
+                                 rf"process: pid {os.getpid()} "):
+            model.fit(x, y, batch_size=16, epochs=1, verbose=0,
+                      callbacks=[BackupAndRestore(backup_dir)])
+        assert int(model.optimizer.iterations.numpy()) == 0
+    finally:
+        finish.set()
+        thread.join(timeout=workers.HOLD_SECONDS)
+    assert not thread.is_alive() and "error" not in outcome, outcome
+
+    class Boom(Exception):
+        pass
+
+    class Raise(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            raise Boom()
+
+    with pytest.raises(Boom):  # keeps its lock: on_train_end never runs
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0,
+                  callbacks=[BackupAndRestore(backup_dir), Raise()])
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0,
+              callbacks=[BackupAndRestore(backup_dir)])
 
 
 def test_each_save_is_the_state_of_its_step_while_training_goes_on(

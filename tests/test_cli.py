@@ -199,6 +199,39 @@ def test_doctor_tf_config():
     assert not good["cluster"]["is_chief"]
 
 
+SRUN_STEP = {"SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "1",
+             "SLURM_LOCALID": "1", "SLURM_JOB_ID": "600",
+             "SLURM_STEP_NODELIST": "node7",
+             "SLURM_STEP_TASKS_PER_NODE": "2"}
+
+
+def test_doctor_reads_the_cluster_where_auto_strategy_does():
+    """Under `srun` without TF_CONFIG, the step's cluster (it said "not
+    set: a single process" and "the default strategy" while
+    `auto_strategy()` built 2 workers)."""
+    step = _doctor.collect(nvidia_smi_runner=lambda args: None,
+                           devices=[CPU], env=SRUN_STEP)
+    assert step["ok"] and step["cluster"]["source"] == "SLURM step"
+    assert step["strategy"]["kind"] == "multi_worker"
+    assert (step["cluster"]["num_workers"], step["cluster"]["worker_index"]
+            ) == (2, 1)
+    text = _doctor.format_report(step)
+    assert "Cluster (SLURM step)" in text and "node7:20000" in text
+    bad = _doctor.collect(nvidia_smi_runner=lambda args: None, devices=[CPU],
+                          env={**SRUN_STEP, "SLURM_STEP_NODELIST": "n[2-1]"})
+    assert codes(bad, "error") == ["slurm_invalid"]
+    assert "[2-1]" in bad["findings"][0]["message"]
+    # TF_CONFIG comes first, as in auto_strategy().
+    both = _doctor.collect(
+        nvidia_smi_runner=lambda args: None, devices=[CPU],
+        env={**SRUN_STEP, "TF_CONFIG": '{"cluster": {"worker": ["a"]}}'})
+    assert codes(both, "error") == ["tf_config_invalid"]
+    alone = _doctor.collect(nvidia_smi_runner=lambda args: None,
+                            devices=[CPU], env={})
+    assert alone["cluster"]["source"] is None
+    assert "no SLURM step" in _doctor.format_report(alone)
+
+
 def test_doctor_missing_optional_package(monkeypatch):
     monkeypatch.setitem(_doctor.OPTIONAL_PACKAGES, "wandb",
                         ("surely-not-installed-wandb",))
@@ -513,6 +546,14 @@ def imported_modules(stderr: str) -> set:
      "--hang-timeout and --progress-file go together"),
     (["launch", "--workers", "2", "--backoff", "nan", "--", "true"], 2,
      "--backoff: 'nan' is not a number of seconds"),
+    (["launch", "--workers", "2", "--", "no-such-program-here", "x"], 2,
+     "the command 'no-such-program-here' is not found on PATH"),
+    (["launch", "--workers", "2", "--", "./no/such/train.py"], 2,
+     "the command './no/such/train.py' does not exist"),
+    (["launch", "--workers", "2", "--", "README.md"], 2,
+     "the command 'README.md' is not found on PATH"),
+    (["launch", "--workers", "2", "--", "./README.md"], 2,
+     "the command './README.md' is not an executable file"),
     (["bench", "--help"], 0, "--replicas"),
     (["doctor", "--help"], 0, "--need"),
     (["bench", "--replicas", "0"], 2, "--replicas: 0 is out of range"),

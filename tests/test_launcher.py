@@ -33,6 +33,56 @@ def test_script_target_writes_result_file(run_workers, tmp_path):
     assert [r.result["tf_config"]["task"]["index"] for r in results] == [0, 1]
 
 
+def test_workers_inherit_the_environment_as_it_is(run_workers, tmp_path,
+                                                  monkeypatch):
+    """Nothing is added to PYTHONPATH: a worker run by another interpreter,
+    and every process a worker starts, sees the launcher's environment
+    (the launcher's `sys.path` there broke `/usr/bin/python3` workers). A
+    function target still imports from where the launcher does."""
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    script = tmp_path / "env.py"
+    script.write_text(textwrap.dedent("""
+        import json, os, subprocess, sys
+        child = subprocess.run(
+            [sys.executable, "-c", "import os; print(os.environ.get("
+             "'PYTHONPATH', 'unset'))"], capture_output=True, text=True)
+        with open(os.environ["KERAS_MGPU_RESULT"], "w") as f:
+            json.dump({"mine": os.environ.get("PYTHONPATH", "unset"),
+                       "child": child.stdout.strip()}, f)
+    """))
+    results = run_workers(str(script), 2)
+    assert [r.result for r in results] == [
+        {"mine": "unset", "child": "unset"}] * 2
+    # Run elsewhere, `tests.workers` is importable from the launcher's
+    # `sys.path` (the repository root) only.
+    assert run_workers(workers.echo, 1, kwargs={"value": 1},
+                       cwd=str(tmp_path))[0].result["value"] == 1
+
+
+@pytest.mark.parametrize("exit_code", [0, 3])
+def test_output_that_is_not_utf8_is_kept_with_replacements(run_workers,
+                                                           tmp_path,
+                                                           exit_code):
+    """A worker writing bytes that are not UTF-8 crashed the launcher
+    (`UnicodeDecodeError`), even when it succeeded."""
+    script = tmp_path / "bytes.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        sys.stdout.buffer.write(b"ok \\xff\\xfe end\\n")
+        sys.stderr.buffer.write(b"\\x80 failed\\n")
+        sys.exit({exit_code})
+    """))
+    if exit_code:
+        with pytest.raises(launcher.WorkerError) as info:
+            run_workers(str(script), 2)
+        assert "\ufffd failed" in str(info.value)
+        results = info.value.results
+    else:
+        results = run_workers(str(script), 2)
+    assert [r.stdout for r in results] == ["ok \ufffd\ufffd end\n"] * 2
+    assert [r.returncode for r in results][0] == exit_code
+
+
 def test_failing_worker_raises_with_its_stderr(run_workers):
     with pytest.raises(launcher.WorkerError) as info:
         run_workers(workers.fail, 2, kwargs={"message": "boom-from-worker-1"})
@@ -142,6 +192,26 @@ def test_bad_arguments_are_refused_before_any_worker_starts(
         launcher.run_local_workers(str(script), num_workers, **options)
     # env(i) runs before worker i starts: no call, no worker (nor its file).
     assert env_calls == [] and not started.exists()
+
+
+def test_a_command_that_cannot_run_is_named_before_any_worker_starts(
+        tmp_path, run_workers):
+    """Where the workers' `Popen` looks: their `PATH` (the launcher's, or
+    `env`'s), or a path relative to `cwd`."""
+    with pytest.raises(FileNotFoundError,
+                       match="'no-such-program' is not found on PATH"):
+        launcher.run_local_workers(["no-such-program", "--flag"], 2)
+    tool = tmp_path / "tool"
+    tool.write_text("#!/bin/sh\necho ran\n")
+    with pytest.raises(PermissionError,
+                       match="'./tool' is not an executable file"):
+        launcher.run_local_workers(["./tool"], 2, cwd=str(tmp_path))
+    tool.chmod(0o755)
+    assert run_workers(["./tool"], 1, cwd=str(tmp_path))[0].stdout == "ran\n"
+    with pytest.raises(FileNotFoundError, match="'tool' is not found"):
+        launcher.run_local_workers(["tool"], 1)
+    assert run_workers(["tool"], 1, env={"PATH": str(tmp_path)})[
+        0].stdout == "ran\n"
 
 
 def test_function_target_refuses_unimportable_and_unserialisable_input():

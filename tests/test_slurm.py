@@ -39,7 +39,11 @@ def test_no_step_of_several_tasks_is_no_cluster(environ):
     ({"SLURM_DISTRIBUTION": "cyclic"}, "SLURM_DISTRIBUTION='cyclic'"),
     ({"SLURM_STEP_TASKS_PER_NODE": "3,2,2"}, "do not place"),
     ({"SLURM_STEP_NODELIST": "a[1-2"}, "is not a host list"),
-    ({"SLURM_STEP_NODELIST": "a[x-2]"}, "is not numbers"),
+    ({"SLURM_STEP_NODELIST": "a[x-2]"}, r"\[x-2\] in 'a\[x-2\]' is not a number"),
+    ({"SLURM_STEP_NODELIST": "a[3-1]"}, r"\[3-1\] .* an ascending range"),
+    ({"SLURM_STEP_NODELIST": "a]1-2["}, r"'a\]1-2\[' is not a host list"),
+    ({"SLURM_STEP_NODELIST": "a[1-2]]"}, r"'a\[1-2\]\]' is not a host list"),
+    ({"SLURM_STEP_NODELIST": "a[1-[2]]"}, "is not a host list"),
     ({"SLURM_STEP_TASKS_PER_NODE": "two"}, "'two' is not a count"),
     ({"SLURM_PROCID": "6"}, "SLURM_PROCID=6 is not a task"),
     ({"SLURM_JOB_ID": ""}, "SLURM_JOB_ID is not set"),
@@ -56,3 +60,20 @@ def test_gpus_are_shared_equally_or_refused():
     assert slurm.gpu_share(3, 4, 4) == range(3, 4)
     with pytest.raises(ValueError, match="3 tasks .* 4 GPUs"):
         slurm.gpu_share(0, 3, 4)
+
+
+@pytest.mark.parametrize("variable, value, count", [
+    ("SLURM_STEP_NODELIST", "node[1-10000000000]", 10**10),
+    ("SLURM_STEP_NODELIST", "r[1-100000]-n[1-100000]", 10**10),
+    ("SLURM_STEP_NODELIST", "n[0-" + "9" * 30 + "]", 10**30),
+    ("SLURM_STEP_TASKS_PER_NODE", "1(x10000000000)", 10**10),
+])
+def test_lists_are_counted_before_they_are_expanded(variable, value, count):
+    """A corrupt list that would expand past memory is refused at once,
+    with its count (expanding `node[1-10000000000]` ran out of memory)."""
+    with pytest.raises(ValueError, match=f"names {count} .*more than the "
+                       f"{slurm.MAX_HOSTS}"):
+        slurm.slurm_task({**STEP, variable: value})
+    # The limit itself expands.
+    assert len(slurm.expand_hostlist(f"n[1-{slurm.MAX_HOSTS}]")) == (
+        slurm.MAX_HOSTS)

@@ -42,11 +42,14 @@ class RunningFit:
             `CallbackList`'s own list where it was given one).
         epoch_iterator: Keras's epoch iterator of its training data, once
             made (None before).
+        running: Defaults to `True`; False once `fit` has returned or
+            raised (readable from any thread).
     """
 
     model: object
     callbacks: list
     epoch_iterator: object = None
+    running: bool = True
 
 
 # The fits running on this thread, innermost last: an epoch iterator made
@@ -119,7 +122,7 @@ def _wrap(trainer, iterator_class) -> None:
             try:
                 return fit(self, *args, **kwargs)
             finally:
-                fits.pop()
+                fits.pop().running = False
 
         @functools.wraps(make_iterator)
         def recorded_init(self, *args, **kwargs):

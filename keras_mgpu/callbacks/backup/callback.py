@@ -15,6 +15,7 @@ from typing import Optional, Union
 
 import tensorflow as tf
 
+from keras_mgpu import _fs
 from keras_mgpu import compat
 from keras_mgpu import strategy as strategy_lib
 from keras_mgpu._version import __version__
@@ -305,16 +306,27 @@ class BackupAndRestore(RuntimeCallback):
         self._restored = Restored()
         self._lock = None
         if self._fit.chief:
-            check_writable(self._fit.store)
-            # Before the restore, which sweeps what killed saves left.
-            self._lock = OwnerLock(self.backup_dir)
-            self._lock.acquire()
+            # Claimed before anything is written there: a probe beside a
+            # live owner (whose restore sweeps temporary files) could fail
+            # as an unwritable folder instead of naming that owner. Before
+            # the restore, which sweeps what killed saves left.
+            self._lock = OwnerLock(
+                self.backup_dir, running=None if running is None
+                else lambda: running.running)
+            try:
+                self._lock.acquire()
+            except _fs.ERRORS:
+                # Raises the unwritable folder's message, if it is that.
+                check_writable(self._fit.store)
+                raise
             # A fit that raises (Ctrl-C included) skips on_train_end: the
             # lock goes when the process exits, after the write in flight
             # (non-daemon threads are joined before atexit runs), so the
             # rerun finds no dead owner to take over from.
             atexit.register(self._release_lock)
         try:
+            if self._fit.chief:
+                check_writable(self._fit.store)
             self._restored = restore_latest(
                 model, self._fit, self.backup_dir, self.params,
                 restart_if_unusable=self.restart_if_unusable)
@@ -359,8 +371,10 @@ class BackupAndRestore(RuntimeCallback):
             generation_number = self._finish_write()
             self.model.stop_training = True
             print(
+                # Counted as the resume's message (and Keras's progress
+                # bar) counts them.
                 f"BackupAndRestore: SIGTERM received; saved generation "
-                f"{generation_number} at epoch {epoch}, batch {done}. "
+                f"{generation_number} at epoch {epoch + 1}, step {done}. "
                 f"Exiting with code {self.exit_code}: run the same command "
                 "again to resume.",
                 file=sys.stderr,

@@ -13,7 +13,7 @@ import stat
 import time
 import uuid
 import warnings
-from typing import Optional
+from typing import Callable, Optional
 
 # Another machine's process cannot be asked whether it lives: it counts as
 # alive while its heartbeat is younger than this.
@@ -23,6 +23,10 @@ HEARTBEAT_SECONDS = 30
 LOCK_NAME = "LOCK.json"
 
 _MISSING = object()
+# The tokens of the locks this process's live `OwnerLock`s hold, each with
+# whether its holder still runs (a fit on another thread): a lock of this
+# process is taken again only where its holder is done (a fit that raised).
+_HELD: dict = {}
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 _CREATE = os.O_CREAT | os.O_EXCL | os.O_WRONLY | _NOFOLLOW
@@ -46,7 +50,8 @@ class OwnerLock:
 
     `<directory>/LOCK.json` names its owner (host, boot id, pid and process
     start time, a token unique to each `acquire`, and a heartbeat). A lock
-    held by this process is taken again silently. An owner on this machine
+    held by this process is taken again silently, unless its holder runs
+    on (`running`, e.g. a `fit` on another thread). An owner on this machine
     is dead when its pid is gone or now belongs to a process that started at
     another time; an owner elsewhere is dead when its heartbeat is
     `STALE_SECONDS` old. A dead owner's, or an unreadable, lock is taken
@@ -66,6 +71,9 @@ class OwnerLock:
             URL, as a `str` or `os.PathLike`).
         what: Defaults to `"BackupAndRestore"`. Who holds the lock, for the
             messages.
+        running: Defaults to `None`. Whether the holder still runs, asked
+            when another `acquire` of this process finds the lock: `None`
+            (or a False answer) lets that one take it over.
 
     Example:
 
@@ -76,7 +84,8 @@ class OwnerLock:
     >>> lock.release()
     """
 
-    def __init__(self, directory: str, *, what: str = "BackupAndRestore"):
+    def __init__(self, directory: str, *, what: str = "BackupAndRestore",
+                 running: Optional[Callable[[], bool]] = None):
         if not isinstance(directory, (str, os.PathLike)) or not isinstance(
                 os.fspath(directory), str):
             raise TypeError(
@@ -93,6 +102,7 @@ class OwnerLock:
         # library (a lock holder need not load TensorFlow); `_fs` does URLs.
         self._local = "://" not in self.directory
         self._record: Optional[dict] = None
+        self._running = running
         self._last_refresh = 0.0  # time.monotonic() of the last lock write
 
     def acquire(self) -> None:
@@ -113,6 +123,16 @@ class OwnerLock:
         record = {**_identity(), "token": uuid.uuid4().hex, "started": now,
                   "heartbeat": now}
         data = _encode(record)
+        # Before the lock exists: another thread that finds it knows it
+        # held.
+        _HELD[record["token"]] = self._running or (lambda: False)
+        try:
+            self._take(record, data)
+        except BaseException:
+            _HELD.pop(record["token"], None)
+            raise
+
+    def _take(self, record: dict, data: bytes) -> None:
         for _ in range(_ATTEMPTS):
             if self._create(self.path, data):
                 break
@@ -123,7 +143,7 @@ class OwnerLock:
             note = self._judge(_parse(seen), self.path)
             if self._take_over(self.path, seen, data):
                 if note:
-                    warnings.warn(note, stacklevel=2)
+                    warnings.warn(note, stacklevel=3)
                 break
             # It changed since we read it (another run took it): look again.
         else:
@@ -164,6 +184,7 @@ class OwnerLock:
         record, self._record = self._record, None
         if record is None:
             return
+        _HELD.pop(record["token"], None)
         errors = (OSError,) if self._local else _fs().ERRORS
         try:
             # Only a run that thinks this one dead replaces the lock: the
@@ -263,6 +284,8 @@ class OwnerLock:
                         and owner["boot_id"] == mine["boot_id"])
         if same_machine and all(owner[k] == mine[k]
                                 for k in ("pid", "process_start")):
+            if _HELD.get(owner["token"], lambda: False)():
+                raise self._in_use(owner, f"{lead} of this process", path)
             return None  # this process: a fit that raised never released it
         if same_machine:
             dead = not _alive(owner["pid"], owner["process_start"])
