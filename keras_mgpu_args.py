@@ -27,6 +27,9 @@ MAX_REPEATS = 1_000
 MAX_BATCH_SIZE = 1_048_576
 MAX_TIMEOUT = 7 * 24 * 3600
 MAX_WORKERS = 1024  # launch --workers
+# Seconds `launch`'s workers have to exit after a stop signal, within the
+# 120 s before the end at which SLURM's `--signal=TERM@120` sends one.
+DEFAULT_GRACE_PERIOD = 90.0
 MAX_RESTARTS = 1_000_000
 # Feature (the pip extra of the same name) -> the display names of the
 # packages it needs (keys of `keras_mgpu._doctor.OPTIONAL_PACKAGES`).
@@ -351,6 +354,13 @@ def build_parser() -> argparse.ArgumentParser:
                         type=_seconds("--timeout"), metavar="SECONDS",
                         help="seconds for all attempts together (default: "
                              "no limit)")
+    launch.add_argument("--grace-period", default=DEFAULT_GRACE_PERIOD,
+                        type=_seconds("--grace-period"), metavar="SECONDS",
+                        help="on a SIGTERM, SIGHUP or Ctrl-C, passed on to "
+                             "the workers as SIGTERM (a BackupAndRestore "
+                             "saves and exits), seconds before what still "
+                             "runs is killed: within SLURM's "
+                             "--signal=TERM@120")
     launch.add_argument("program", nargs=argparse.REMAINDER,
                         metavar="-- COMMAND [ARGS ...]",
                         help="the program each worker runs")

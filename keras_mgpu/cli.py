@@ -157,9 +157,13 @@ def run_launch(args: argparse.Namespace) -> int:
                                 if codes is None else codes),
             backoff=args.backoff, hang_timeout=args.hang_timeout,
             progress_file=args.progress_file, timeout=args.timeout,
-            echo=sys.stdout, report=sys.stderr)
+            grace_period=args.grace_period, echo=sys.stdout,
+            report=sys.stderr)
     except launcher.LaunchError as e:
-        print(str(e).split("\n", 1)[1], file=sys.stderr)
+        # Its first line went to the report already.
+        details = str(e).partition("\n")[2]
+        if details:
+            print(details, file=sys.stderr)
         return e.exit_code
     except launcher.WorkerError as e:  # the --timeout ran out
         print(f"keras-mgpu launch: {e}", file=sys.stderr)

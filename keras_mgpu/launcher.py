@@ -8,6 +8,7 @@ failing worker's stderr is part of the error.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import numbers
@@ -49,6 +50,7 @@ from keras_mgpu._supervisor import LaunchError  # noqa: F401
 from keras_mgpu._supervisor import LaunchResult
 from keras_mgpu.callbacks.backup.exit_codes import LAUNCH_RESTART_EXIT_CODES
 from keras_mgpu.strategy import make_tf_config
+from keras_mgpu_args import DEFAULT_GRACE_PERIOD
 from keras_mgpu_args import check_program
 
 RESULT_ENV = "KERAS_MGPU_RESULT"
@@ -257,6 +259,7 @@ def launch(
     echo: Optional[TextIO] = None,
     report: Optional[TextIO] = None,
     labels: Optional[Sequence[str]] = None,
+    grace_period: float = DEFAULT_GRACE_PERIOD,
 ) -> LaunchResult:
     """Runs `target` as a local cluster, started again when a worker dies.
 
@@ -304,6 +307,15 @@ def launch(
         report: Defaults to `None`. A text stream for one line per attempt
             that ended: why, and what happens next.
         labels: Defaults to `None`: `worker <index>`.
+        grace_period: Defaults to 90. Seconds the workers have to exit
+            after the launcher passed on a stop signal, before they are
+            killed: within SLURM's `--signal=TERM@120`.
+
+    A SIGTERM, SIGHUP or SIGINT (Ctrl-C) to the launcher (on the main
+    thread) is passed on to every worker's process group as SIGTERM, so
+    a `BackupAndRestore` saves and exits; what still runs after
+    `grace_period` (or at a second signal) is killed, and `LaunchError`
+    says so, its `exit_code` 128 plus the signal's number (143, 129, 130).
 
     Returns:
         A `LaunchResult`: every `Attempt` and the last attempt's
@@ -326,9 +338,28 @@ def launch(
     restart_codes = _check_restarts(max_restarts, restart_exit_codes,
                                     backoff, hang_timeout, progress_file,
                                     timeout)
+    _check_timeout(grace_period, "grace_period")
     num_workers = _worker_count(num_workers)
     command, labels, extras = _worker_setup(
         target, num_workers, kwargs, args, env, cwd, labels)
+    with _supervisor.StopSignals() as stop:
+        try:
+            return _supervise(
+                command, num_workers, extras, labels, stop, grace_period,
+                max_restarts=max_restarts, restart_codes=restart_codes,
+                backoff=backoff, hang_timeout=hang_timeout,
+                progress_file=progress_file, cwd=cwd, timeout=timeout,
+                echo=echo, report=report)
+        except _supervisor.Stopped as e:
+            message = _supervisor.stopped_message(e.signum, grace_period)
+            _say(report, message)
+            raise LaunchError(message, (), (), (), 128 + e.signum) from None
+
+
+def _supervise(command, num_workers, extras, labels, stop, grace_period, *,
+               max_restarts, restart_codes, backoff, hang_timeout,
+               progress_file, cwd, timeout, echo, report) -> LaunchResult:
+    """`launch`'s attempts, its arguments checked."""
     deadline = None if timeout is None else time.monotonic() + timeout
     attempts = []
     while True:
@@ -341,7 +372,8 @@ def launch(
             deadline - time.monotonic(), 1e-3)
         results, first, stopped = _run_cluster(
             command, num_workers, extras, timeout=left, cwd=cwd, echo=echo,
-            labels=labels, watchdog=watchdog)
+            labels=labels, watchdog=watchdog, stop=stop,
+            grace_period=grace_period)
         attempt = _supervisor.ending(number, results, first, stopped,
                                      restart_codes, labels)
         attempts.append(attempt)
@@ -358,7 +390,7 @@ def launch(
         _say(report, f"keras-mgpu launch: attempt {number} ended: "
                      f"{attempt.why}. Restarting all {num_workers} workers "
                      f"in {wait:g} s (restart {number} of {max_restarts}).")
-        time.sleep(wait)
+        stop.sleep(wait)
 
 
 def _check_restarts(max_restarts, restart_exit_codes, backoff, hang_timeout,
@@ -415,13 +447,16 @@ def _run_cluster(command: list, num_workers: int, extras: list, *,
                  timeout: Optional[float], cwd=None, marker=None,
                  to_kill=(), kill_signal=signal.SIGKILL, echo=None,
                  labels=(), watchdog: Optional[Callable[[], Optional[str]]]
-                 = None) -> tuple:
+                 = None, stop=None,
+                 grace_period: float = DEFAULT_GRACE_PERIOD) -> tuple:
     """Starts `num_workers` processes of `command` on fresh ports and waits
     for them; (their `WorkerResult`s, the indices of the first to fail, why
     the watchdog stopped them or None). `timeout` None: no deadline.
     `watchdog()`, asked while they run, returns why to stop them all (a
     hang), or None. Raises `WorkerError` on the timeout, with every worker
-    killed."""
+    killed, and `_supervisor.Stopped` when `stop` (a
+    `_supervisor.StopSignals`) is asked to, the workers given SIGTERM and
+    `grace_period` seconds first."""
     addresses = [f"localhost:{p}" for p in free_ports(num_workers)]
     procs, files = [], []
     echoer = _Echo(echo, files, labels)
@@ -448,7 +483,7 @@ def _run_cluster(command: list, num_workers: int, extras: list, *,
             )
         killed, stopped, first, stop_reason = _wait(
             procs, files, timeout, marker, to_kill, kill_signal,
-            echoer.copy, labels, watchdog)
+            echoer.copy, labels, watchdog, stop, grace_period)
         results = _collect(procs, files, workdir, killed, stopped)
     finally:
         # Whatever happened (a timeout, Ctrl-C, a failed start), no worker
@@ -611,13 +646,16 @@ def _check_env(extra, index: int, env) -> dict:
 
 
 def _wait(procs, files, timeout, marker, to_kill, kill_signal, echo, labels,
-          watchdog=None):
+          watchdog=None, stop=None, grace_period=DEFAULT_GRACE_PERIOD):
     """Waits for the workers; returns the indices killed on request, those
     stopped after a failure (or by the watchdog), those whose failure was
     seen first, and why the watchdog stopped them (or None)."""
     deadline = None if timeout is None else time.monotonic() + timeout
     killed = set()
     while True:
+        if stop is not None and stop.signum is not None:
+            _stop_gracefully(procs, grace_period, stop, echo)
+            stop.check()
         echo()
         codes = [p.poll() for p in procs]
         if all(c is not None for c in codes):
@@ -656,6 +694,21 @@ def _wait(procs, files, timeout, marker, to_kill, kill_signal, echo, labels,
                 results,
             )
         time.sleep(0.1)
+
+
+def _stop_gracefully(procs, grace_period: float, stop, echo) -> None:
+    """SIGTERM to every worker's process group; SIGKILL to what is left
+    after `grace_period` seconds, or at once on a second stop signal."""
+    for p in procs:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_period
+    while (any(p.poll() is None for p in procs) and not stop.at_once
+           and time.monotonic() < deadline):
+        echo()
+        time.sleep(0.1)
+    _kill_all(procs)
 
 
 def _kill_all(procs) -> None:
