@@ -712,17 +712,47 @@ def _stop_gracefully(procs, grace_period: float, stop, echo) -> None:
 
 
 def _kill_all(procs) -> None:
+    """Kills each worker's whole process group, a worker that exited
+    included: what it started (its own children) would outlive the
+    attempt. Linux reuses no group's id while the group has a member."""
     for p in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+    # A SIGKILL takes effect a moment later: the call returns once nothing
+    # of the groups runs.
+    groups = {p.pid for p in procs}
+    deadline = time.monotonic() + 30
+    while _running_groups(groups) and time.monotonic() < deadline:
+        time.sleep(0.02)
     for p in procs:
         try:
             p.wait(timeout=30)
         except subprocess.TimeoutExpired:
             pass
+
+
+def _running_groups(groups: set) -> set:
+    """Which of the process `groups` still have a running member (zombies
+    run nothing), from Linux's /proc; elsewhere none is known to."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return set()
+    running = set()
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue  # gone meanwhile
+        # After the command name (which may hold spaces and parentheses):
+        # state, parent, process group.
+        fields = stat[stat.rindex(b")") + 2:].split()
+        if fields[0] != b"Z" and int(fields[2]) in groups:
+            running.add(int(fields[2]))
+    return running
 
 
 # Runs in the worker: imports only the target's module (not keras_mgpu, so a

@@ -83,6 +83,34 @@ def test_output_that_is_not_utf8_is_kept_with_replacements(run_workers,
     assert [r.returncode for r in results][0] == exit_code
 
 
+@pytest.mark.parametrize("exit_code", [0, 3])
+def test_what_a_worker_started_ends_with_the_run(run_workers, tmp_path,
+                                                 exit_code):
+    """A worker's own child (its process group) is gone when the run
+    returns or raises, the worker having exited or not; it lived on."""
+    script = tmp_path / "parent.py"
+    script.write_text(textwrap.dedent(f"""
+        import subprocess, sys
+        child = subprocess.Popen(["sleep", "600"])
+        print(child.pid, flush=True)
+        sys.exit({exit_code})
+    """))
+    if exit_code:
+        with pytest.raises(launcher.WorkerError) as info:
+            run_workers(str(script), 2)
+        results = info.value.results
+    else:
+        results = run_workers(str(script), 2)
+    for result in results:
+        pid = int(result.stdout.split()[0])
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            state = "gone"
+        assert state in ("gone", "Z"), (pid, state)
+
+
 def test_failing_worker_raises_with_its_stderr(run_workers):
     with pytest.raises(launcher.WorkerError) as info:
         run_workers(workers.fail, 2, kwargs={"message": "boom-from-worker-1"})
