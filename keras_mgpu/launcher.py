@@ -527,7 +527,37 @@ def _worker_setup(target, num_workers: int, kwargs, args, env, cwd,
     # Popen would fail only once the launcher had started (the supervisor
     # imports TensorFlow), with a traceback.
     check_program(command, cwd, {**os.environ, **extras[0]})
+    _check_open_files(num_workers)
     return command, labels, extras
+
+
+# Files the launcher holds per worker (its stdout and stderr, and the
+# file Popen's error pipe briefly takes), and what it keeps for itself.
+_FILES_PER_WORKER = 3
+_FILES_SPARE = 64
+
+
+def _check_open_files(num_workers: int) -> None:
+    """Raises the open-file limit to what `num_workers` need (up to the
+    hard limit), or refuses before any worker starts, naming it: past it,
+    the launcher failed with `Too many open files` midway through starting
+    them."""
+    try:
+        import resource
+    except ImportError:  # not POSIX: no such limit to read
+        return
+    need = num_workers * _FILES_PER_WORKER + _FILES_SPARE
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return
+    if hard == resource.RLIM_INFINITY or hard >= need:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+        return
+    raise ValueError(
+        f"{num_workers} workers need about {need} open files in the "
+        f"launcher, above this process's limit of {hard} (ulimit -Hn). "
+        "Raise it (ulimit -n, or the scheduler's setting), or start fewer "
+        "workers per launcher.")
 
 
 def _check_options(timeout, marker, kill_workers, num_workers, kill_signal,

@@ -111,6 +111,42 @@ def test_what_a_worker_started_ends_with_the_run(run_workers, tmp_path,
         assert state in ("gone", "Z"), (pid, state)
 
 
+def test_the_open_file_limit_is_raised_or_named_before_any_worker_starts(
+        tmp_path):
+    """Above about 500 workers, a limit of 1024 open files failed the
+    launch midway (`Too many open files`). In a child process, whose
+    limits the test may lower."""
+    import resource
+    import subprocess
+    import sys
+
+    script = tmp_path / "job.py"
+    started = tmp_path / "started"
+    script.write_text(f"open({str(started)!r}, 'w').close()\n")
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    hard = 4096 if hard == resource.RLIM_INFINITY else min(hard, 4096)
+    fits = (hard - 64) // 3  # workers whose files the hard limit holds
+    code = textwrap.dedent(f"""
+        import resource
+        from keras_mgpu import launcher
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, {hard}))
+        launcher._check_open_files({fits})  # raises the soft limit
+        print("LIMIT", resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, 1024))
+        try:
+            launcher.run_local_workers({str(script)!r}, 1000)
+        except ValueError as e:
+            print("REFUSED", e)
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                          text=True, timeout=120)
+    assert f"LIMIT {fits * 3 + 64}" in done.stdout, done.stderr[-3000:]
+    assert ("REFUSED 1000 workers need about 3064 open files in the "
+            "launcher, above this process's limit of 1024 (ulimit -Hn)"
+            in done.stdout), done.stdout + done.stderr[-3000:]
+    assert not started.exists()
+
+
 def test_failing_worker_raises_with_its_stderr(run_workers):
     with pytest.raises(launcher.WorkerError) as info:
         run_workers(workers.fail, 2, kwargs={"message": "boom-from-worker-1"})
