@@ -22,8 +22,9 @@ class WorkerResult:
         index: The worker's rank.
         returncode: Its exit status (negative: killed by that signal).
         result: The JSON value it reported, or `None`.
-        stdout: Everything it printed.
-        stderr: Everything it printed to stderr.
+        stdout: What it printed: everything, or the last `KEPT_BYTES`
+            of it after a line saying how much came before.
+        stderr: What it printed to stderr, kept as `stdout` is.
         killed: Whether the launcher ended it on request: killed on
             `kill_when_printed`, or stopped because the workers killed then
             had exited (a requested kill ends the cluster, as a failure
@@ -61,9 +62,17 @@ def _tail(text: str, lines: int = 60) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+# The launcher's memory for a worker's output, whatever it prints: the
+# tail kept per stream, and the longest piece of a line it holds (echoed in
+# pieces) or reads at once.
+KEPT_BYTES = 1 << 20
+_CHUNK = 1 << 20
+
+
 class _Echo:
     """Copies the workers' output files to a stream, line by line, each
-    line after its worker's label."""
+    line after its worker's label (a line longer than `_CHUNK` in
+    pieces, each under the label)."""
 
     def __init__(self, stream, files, labels):
         self.stream, self.files, self.labels = stream, files, labels
@@ -74,31 +83,77 @@ class _Echo:
             return
         for i, pair in enumerate(self.files):
             for f in pair:
-                with open(f.name, "rb") as again:
-                    again.seek(self.offsets.get(f.name, 0))
-                    data = again.read()
-                self.offsets[f.name] = self.offsets.get(f.name, 0) + len(data)
-                data = self.partial.pop(f.name, b"") + data
-                lines = data.split(b"\n")
-                last = lines.pop()
-                if final and last:
-                    lines.append(last)
-                elif last:
-                    # A line still being written waits for its end.
-                    self.partial[f.name] = last
-                for line in lines:
-                    self.stream.write(f"[{self.labels[i]}] "
-                                      f"{line.decode(errors='replace')}\n")
+                for data in _new_bytes(f.name, self.offsets):
+                    self._lines(i, f.name, data, final=False)
+                self._lines(i, f.name, b"", final)
         self.stream.flush()
+
+    def _lines(self, i: int, name: str, data: bytes, final: bool) -> None:
+        data = self.partial.pop(name, b"") + data
+        lines = data.split(b"\n")
+        last = lines.pop()
+        if last and (final or len(last) >= _CHUNK):
+            lines.append(last)
+        elif last:
+            # A line still being written waits for its end.
+            self.partial[name] = last
+        for line in lines:
+            self.stream.write(f"[{self.labels[i]}] "
+                              f"{line.decode(errors='replace')}\n")
+
+
+def _new_bytes(name: str, offsets: dict):
+    """The bytes written to file `name` since the last call (`offsets`
+    remembers where each file was read to), in pieces of at most
+    `_CHUNK`."""
+    with open(name, "rb") as f:
+        f.seek(offsets.get(name, 0))
+        while True:
+            data = f.read(_CHUNK)
+            if not data:
+                return
+            offsets[name] = offsets.get(name, 0) + len(data)
+            yield data
+
+
+class _Marker:
+    """Whether a text has appeared in any worker's stdout, reading only
+    what was written since the last look (the output was read whole at
+    every poll)."""
+
+    def __init__(self, text: str):
+        self._text = text.encode()
+        self._offsets, self._carry = {}, {}
+
+    def seen(self, files) -> bool:
+        keep = len(self._text) - 1
+        for out, _ in files:
+            out.flush()
+            for data in _new_bytes(out.name, self._offsets):
+                data = self._carry.pop(out.name, b"") + data
+                if self._text in data:
+                    return True
+                # The text may straddle two pieces.
+                self._carry[out.name] = data[len(data) - keep:] if keep else b""
+        return False
 
 
 def _read(f) -> str:
     """A worker's output so far, whatever its bytes: text that is not
     UTF-8 (a C library's message, a binary dump) is decoded with
-    replacement characters, not an error that ends the supervision."""
+    replacement characters, not an error that ends the supervision. At
+    most its last `KEPT_BYTES`, after a line saying how much came before,
+    so the launcher's memory is bounded whatever a worker prints."""
     f.flush()
     with open(f.name, "rb") as again:
-        return again.read().decode(errors="replace")
+        size = again.seek(0, os.SEEK_END)
+        dropped = max(0, size - KEPT_BYTES)
+        again.seek(dropped)
+        text = again.read().decode(errors="replace")
+    if not dropped:
+        return text
+    return (f"[... {dropped} earlier bytes of this output not kept ...]\n"
+            + text)
 
 
 def _collect(procs, files, workdir, killed, stopped=()):

@@ -44,7 +44,7 @@ from keras_mgpu._launcher_output import WorkerResult  # noqa: F401
 from keras_mgpu._launcher_output import _collect
 from keras_mgpu._launcher_output import _describe
 from keras_mgpu._launcher_output import _Echo
-from keras_mgpu._launcher_output import _read
+from keras_mgpu._launcher_output import _Marker
 from keras_mgpu import _supervisor
 from keras_mgpu._supervisor import LaunchError  # noqa: F401
 from keras_mgpu._supervisor import LaunchResult
@@ -682,6 +682,7 @@ def _wait(procs, files, timeout, marker, to_kill, kill_signal, echo, labels,
     seen first, and why the watchdog stopped them (or None)."""
     deadline = None if timeout is None else time.monotonic() + timeout
     killed = set()
+    watch = None if marker is None else _Marker(marker)
     while True:
         if stop is not None and stop.signum is not None:
             _stop_gracefully(procs, grace_period, stop, echo)
@@ -704,8 +705,8 @@ def _wait(procs, files, timeout, marker, to_kill, kill_signal, echo, labels,
             if first:
                 return killed, running - killed, first, None
             return killed | running, set(), [], None
-        if marker is not None and not killed:
-            if any(marker in _read(out) for out, _ in files):
+        if watch is not None and not killed:
+            if watch.seen(files):
                 for i in to_kill:
                     if procs[i].poll() is None:
                         os.killpg(procs[i].pid, kill_signal)

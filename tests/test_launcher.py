@@ -147,6 +147,45 @@ def test_the_open_file_limit_is_raised_or_named_before_any_worker_starts(
     assert not started.exists()
 
 
+def test_memory_stays_bounded_whatever_a_worker_prints(tmp_path):
+    """A 100 MB output line, echoed and collected: the launcher keeps the
+    tail (it read every attempt's output whole: 200 MB took it from 0.83
+    to 1.85 GB). Measured in a child, whose peak memory is its own."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "loud.py"
+    script.write_text(textwrap.dedent("""
+        import sys
+        sys.stdout.buffer.write(b"start\\n" + b"x" * 100_000_000
+                                + b"\\nREADY end\\n")
+    """))
+    code = textwrap.dedent(f"""
+        import os, resource
+        from keras_mgpu import launcher
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        with open(os.devnull, "w") as sink:
+            result = launcher.run_local_workers(
+                {str(script)!r}, 1, echo=sink, kill_when_printed="NEVER")[0]
+        grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+        print("GROWN_MB", grown // 1024)
+        print("KEPT", len(result.stdout), result.stdout[:60])
+        print("TAIL", result.stdout.endswith("x\\nREADY end\\n"))
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                          text=True, timeout=300)
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines()
+                 if line.split(" ", 1)[0] in ("GROWN_MB", "KEPT", "TAIL"))
+    assert set(lines) == {"GROWN_MB", "KEPT", "TAIL"}, done.stderr[-3000:]
+    assert int(lines["GROWN_MB"]) < 40, lines
+    kept, head = lines["KEPT"].split(" ", 1)
+    from keras_mgpu._launcher_output import KEPT_BYTES
+
+    assert int(kept) < 2 * KEPT_BYTES
+    assert head.startswith("[... 98951") and "earlier bytes" in head
+    assert lines["TAIL"] == "True"
+
+
 def test_failing_worker_raises_with_its_stderr(run_workers):
     with pytest.raises(launcher.WorkerError) as info:
         run_workers(workers.fail, 2, kwargs={"message": "boom-from-worker-1"})
