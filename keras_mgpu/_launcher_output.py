@@ -33,6 +33,7 @@ class WorkerResult:
             ran, because another worker failed or the cluster timed out:
             its `returncode` is then the launcher's signal, not a failure
             of its own.
+        address: Its `"host:port"` in the cluster's `TF_CONFIG`.
     """
 
     index: int
@@ -42,6 +43,7 @@ class WorkerResult:
     stderr: str
     killed: bool = False
     stopped: bool = False
+    address: Optional[str] = None
 
 
 class WorkerError(RuntimeError):
@@ -156,7 +158,7 @@ def _read(f) -> str:
             + text)
 
 
-def _collect(procs, files, workdir, killed, stopped=()):
+def _collect(procs, files, workdir, killed, stopped=(), addresses=()):
     results = []
     for i, (p, (out, err)) in enumerate(zip(procs, files)):
         result = None
@@ -166,7 +168,8 @@ def _collect(procs, files, workdir, killed, stopped=()):
                 result = json.load(f)
         results.append(
             WorkerResult(i, p.poll(), result, _read(out), _read(err),
-                         i in killed, i in stopped)
+                         i in killed, i in stopped,
+                         addresses[i] if i < len(addresses) else None)
         )
     return results
 

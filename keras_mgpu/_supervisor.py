@@ -15,6 +15,7 @@ import time
 from typing import Optional, Sequence
 
 from keras_mgpu._launcher_output import WorkerError, WorkerResult, _how
+from keras_mgpu.cluster import GRPC_START_FAILED
 
 # The longest wait between attempts, however many restarts came before.
 MAX_BACKOFF_SECONDS = 60.0
@@ -98,12 +99,24 @@ def ending(number: int, results: Sequence[WorkerResult], first: Sequence[int],
               [r for r in results if r.returncode != 0 and not r.stopped])
     if not failed:
         return Attempt(number, "finished", False, codes)
-    why = "; ".join(f"{labels[r.index]} {_how(r.returncode)}"
-                    for r in failed)
+    why = "; ".join(_why(r, labels) for r in failed)
     restartable = all(r.returncode < 0 or r.returncode in restart_codes
-                      for r in failed)
+                      or _port_taken(r) for r in failed)
     return Attempt(number, why, restartable, codes,
                    tuple(r.index for r in failed))
+
+
+def _port_taken(result: WorkerResult) -> bool:
+    """Whether the worker failed because its port was taken after the
+    launcher picked it: transient, and fresh ports mend it."""
+    return result.returncode != 0 and GRPC_START_FAILED in result.stderr
+
+
+def _why(result: WorkerResult, labels) -> str:
+    if _port_taken(result):
+        return (f"{labels[result.index]} could not listen on "
+                f"{result.address} (taken since it was picked)")
+    return f"{labels[result.index]} {_how(result.returncode)}"
 
 
 def exit_code(attempt: Attempt) -> int:

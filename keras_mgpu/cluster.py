@@ -18,6 +18,9 @@ import os
 import socket
 from typing import Mapping, Optional, Sequence
 
+# TensorFlow's error when a worker cannot listen on its cluster address.
+GRPC_START_FAILED = "Could not start gRPC server"
+
 _TRAINING_TASK_TYPES = ("chief", "worker")
 _KNOWN_TASK_TYPES = ("chief", "worker", "evaluator", "ps")
 

@@ -484,7 +484,8 @@ def _run_cluster(command: list, num_workers: int, extras: list, *,
         killed, stopped, first, stop_reason = _wait(
             procs, files, timeout, marker, to_kill, kill_signal,
             echoer.copy, labels, watchdog, stop, grace_period)
-        results = _collect(procs, files, workdir, killed, stopped)
+        results = _collect(procs, files, workdir, killed, stopped,
+                           addresses)
     finally:
         # Whatever happened (a timeout, Ctrl-C, a failed start), no worker
         # outlives the call, and the files go only once no worker writes.

@@ -19,6 +19,7 @@ import tensorflow as tf
 from keras_mgpu import backend
 from keras_mgpu._checks import is_positive_int
 from keras_mgpu.cluster import _TRAINING_TASK_TYPES
+from keras_mgpu.cluster import GRPC_START_FAILED
 from keras_mgpu.cluster import ClusterInfo
 from keras_mgpu.cluster import _startup_error
 from keras_mgpu.cluster import cluster_info
@@ -320,6 +321,17 @@ def _multi_worker_strategy(info: ClusterInfo, communication_options,
         )
     except tf.errors.DeadlineExceededError:
         raise _startup_error(info, startup_timeout) from None
+    except tf.errors.UnknownError as e:
+        if GRPC_START_FAILED not in str(e):
+            raise
+        address = info.cluster[info.task_type][info.task_index]
+        # TensorFlow names no address; the port was free when it was
+        # picked, and `keras-mgpu launch` restarts on fresh ones.
+        raise RuntimeError(
+            f"{GRPC_START_FAILED} for worker {info.worker_index} of "
+            f"{info.num_workers}: {address} (its TF_CONFIG address) cannot "
+            "be listened on; another process holds the port. Free it, or "
+            "give this worker another port in TF_CONFIG.") from None
     except (RuntimeError, ValueError) as e:
         raise RuntimeError(
             "Could not create MultiWorkerMirroredStrategy for worker "

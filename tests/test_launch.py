@@ -2,6 +2,7 @@
 started again when a worker dies, with real processes on 127.0.0.1; SLURM
 steps and Kubernetes (TFJob) clusters as `auto_strategy()` reads them."""
 
+import io
 import json
 import os
 import signal
@@ -178,6 +179,42 @@ def test_a_tfjob_cluster_with_a_chief_trains_as_two_workers(two_workers,
             "task": task, "environment": "cloud"})}
 
     assert_trains_as(two_workers, env, tmp_path)
+
+
+def test_a_port_taken_after_it_was_picked_restarts_on_fresh_ports(
+        monkeypatch):
+    """The first attempt's worker 0 finds its port held by another process
+    (as when one takes it between `free_ports` and the bind): restarted on
+    fresh ports, the port named (it ended the run, "not restarted")."""
+    holder = socket.socket()
+    holder.bind(("localhost", 0))
+    holder.listen()
+    taken = holder.getsockname()[1]
+    picks = []
+    free = launcher.free_ports
+
+    def ports(n):
+        picks.append(free(n))
+        if len(picks) == 1:
+            picks[0][0] = taken
+        return picks[-1]
+
+    monkeypatch.setattr(launcher, "free_ports", ports)
+    program = ("import keras_mgpu; keras_mgpu.auto_strategy("
+               "startup_timeout=120); print('UP', flush=True)")
+    report = io.StringIO()
+    try:
+        result = launcher.launch([sys.executable, "-c", program], 2,
+                                 max_restarts=1, backoff=0, env=QUIET,
+                                 timeout=400, report=report)
+    finally:
+        holder.close()
+    assert [a.why for a in result.attempts] == [
+        f"worker 0 could not listen on localhost:{taken} (taken since it "
+        "was picked)", "finished"]
+    assert all("UP" in r.stdout for r in result.results)
+    assert f"localhost:{taken}" in report.getvalue()
+    assert taken not in picks[1]
 
 
 def test_the_exit_code_is_the_failing_workers_not_a_stopped_ones():
