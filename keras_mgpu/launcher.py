@@ -8,7 +8,6 @@ failing worker's stderr is part of the error.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import numbers
@@ -48,6 +47,9 @@ from keras_mgpu._launcher_output import _Marker
 from keras_mgpu import _supervisor
 from keras_mgpu._supervisor import LaunchError  # noqa: F401
 from keras_mgpu._supervisor import LaunchResult
+from keras_mgpu._worker_processes import check_open_files
+from keras_mgpu._worker_processes import kill_all
+from keras_mgpu._worker_processes import stop_gracefully
 from keras_mgpu.callbacks.backup.exit_codes import LAUNCH_RESTART_EXIT_CODES
 from keras_mgpu.strategy import make_tf_config
 from keras_mgpu_args import DEFAULT_GRACE_PERIOD
@@ -489,7 +491,7 @@ def _run_cluster(command: list, num_workers: int, extras: list, *,
     finally:
         # Whatever happened (a timeout, Ctrl-C, a failed start), no worker
         # outlives the call, and the files go only once no worker writes.
-        _kill_all(procs)
+        kill_all(procs)
         echoer.copy(final=True)
         for out, err in files:
             out.close()
@@ -528,37 +530,8 @@ def _worker_setup(target, num_workers: int, kwargs, args, env, cwd,
     # Popen would fail only once the launcher had started (the supervisor
     # imports TensorFlow), with a traceback.
     check_program(command, cwd, {**os.environ, **extras[0]})
-    _check_open_files(num_workers)
+    check_open_files(num_workers)
     return command, labels, extras
-
-
-# Files the launcher holds per worker (its stdout and stderr, and the
-# file Popen's error pipe briefly takes), and what it keeps for itself.
-_FILES_PER_WORKER = 3
-_FILES_SPARE = 64
-
-
-def _check_open_files(num_workers: int) -> None:
-    """Raises the open-file limit to what `num_workers` need (up to the
-    hard limit), or refuses before any worker starts, naming it: past it,
-    the launcher failed with `Too many open files` midway through starting
-    them."""
-    try:
-        import resource
-    except ImportError:  # not POSIX: no such limit to read
-        return
-    need = num_workers * _FILES_PER_WORKER + _FILES_SPARE
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY or soft >= need:
-        return
-    if hard == resource.RLIM_INFINITY or hard >= need:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
-        return
-    raise ValueError(
-        f"{num_workers} workers need about {need} open files in the "
-        f"launcher, above this process's limit of {hard} (ulimit -Hn). "
-        "Raise it (ulimit -n, or the scheduler's setting), or start fewer "
-        "workers per launcher.")
 
 
 def _check_options(timeout, marker, kill_workers, num_workers, kill_signal,
@@ -686,7 +659,7 @@ def _wait(procs, files, timeout, marker, to_kill, kill_signal, echo, labels,
     watch = None if marker is None else _Marker(marker)
     while True:
         if stop is not None and stop.signum is not None:
-            _stop_gracefully(procs, grace_period, stop, echo)
+            stop_gracefully(procs, grace_period, stop, echo)
             stop.check()
         echo()
         codes = [p.poll() for p in procs]
@@ -702,7 +675,7 @@ def _wait(procs, files, timeout, marker, to_kill, kill_signal, echo, labels,
         if first or kill_done:
             time.sleep(2.0)
             running = {i for i, p in enumerate(procs) if p.poll() is None}
-            _kill_all(procs)
+            kill_all(procs)
             if first:
                 return killed, running - killed, first, None
             return killed | running, set(), [], None
@@ -715,76 +688,17 @@ def _wait(procs, files, timeout, marker, to_kill, kill_signal, echo, labels,
         reason = None if watchdog is None else watchdog()
         if reason is not None:
             running = {i for i, p in enumerate(procs) if p.poll() is None}
-            _kill_all(procs)
+            kill_all(procs)
             return killed, running - killed, [], reason
         if deadline is not None and time.monotonic() > deadline:
             running = {i for i, p in enumerate(procs) if p.poll() is None}
-            _kill_all(procs)
+            kill_all(procs)
             results = _collect(procs, files, None, killed, running - killed)
             raise WorkerError(
                 _describe(results, f"timed out after {timeout:.0f}s", labels),
                 results,
             )
         time.sleep(0.1)
-
-
-def _stop_gracefully(procs, grace_period: float, stop, echo) -> None:
-    """SIGTERM to every worker's process group; SIGKILL to what is left
-    after `grace_period` seconds, or at once on a second stop signal."""
-    for p in procs:
-        if p.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_period
-    while (any(p.poll() is None for p in procs) and not stop.at_once
-           and time.monotonic() < deadline):
-        echo()
-        time.sleep(0.1)
-    _kill_all(procs)
-
-
-def _kill_all(procs) -> None:
-    """Kills each worker's whole process group, a worker that exited
-    included: what it started (its own children) would outlive the
-    attempt. Linux reuses no group's id while the group has a member."""
-    for p in procs:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(p.pid, signal.SIGKILL)
-    # A SIGKILL takes effect a moment later: the call returns once nothing
-    # of the groups runs.
-    groups = {p.pid for p in procs}
-    deadline = time.monotonic() + 30
-    while _running_groups(groups) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    for p in procs:
-        try:
-            p.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
-
-
-def _running_groups(groups: set) -> set:
-    """Which of the process `groups` still have a running member (zombies
-    run nothing), from Linux's /proc; elsewhere none is known to."""
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return set()
-    running = set()
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue  # gone meanwhile
-        # After the command name (which may hold spaces and parentheses):
-        # state, parent, process group.
-        fields = stat[stat.rindex(b")") + 2:].split()
-        if fields[0] != b"Z" and int(fields[2]) in groups:
-            running.add(int(fields[2]))
-    return running
 
 
 # Runs in the worker: imports only the target's module (not keras_mgpu, so a

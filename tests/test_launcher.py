@@ -128,9 +128,9 @@ def test_the_open_file_limit_is_raised_or_named_before_any_worker_starts(
     fits = (hard - 64) // 3  # workers whose files the hard limit holds
     code = textwrap.dedent(f"""
         import resource
-        from keras_mgpu import launcher
+        from keras_mgpu import _worker_processes, launcher
         resource.setrlimit(resource.RLIMIT_NOFILE, (64, {hard}))
-        launcher._check_open_files({fits})  # raises the soft limit
+        _worker_processes.check_open_files({fits})  # raises the soft limit
         print("LIMIT", resource.getrlimit(resource.RLIMIT_NOFILE)[0])
         resource.setrlimit(resource.RLIMIT_NOFILE, (64, 1024))
         try:
