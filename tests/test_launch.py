@@ -79,6 +79,64 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_as_uninterrupted(
         assert max_diff(resumed["weights"], full["weights"]) <= 1e-6
 
 
+def test_a_sigterm_to_launch_saves_and_the_same_command_resumes_exactly(
+        two_workers, tmp_path):
+    """What a scheduler does first: SIGTERM to the launcher mid-training.
+    Both workers get it, the backup saves and they exit; the launcher
+    exits 143 saying how to resume; the same command (less the pause)
+    ends as the uninterrupted run. The launcher used to exit at once and
+    leave the workers training."""
+    import selectors
+    import time
+
+    out = tmp_path / "out"
+    out.mkdir()
+    kwargs = {"backup_dir": str(tmp_path / "backup"), **TRAIN}
+    paused = {**kwargs, "pause_at": 10}  # each waits there for its SIGTERM
+    proc = subprocess.Popen(
+        [KERAS_MGPU, "launch", "--workers", "2", "--", sys.executable,
+         "tests/launch_worker.py", json.dumps(paused), str(out)],
+        cwd=ROOT, env=dict(os.environ, **QUIET), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE)
+    seen = b""
+    try:
+        selector = selectors.DefaultSelector()
+        selector.register(proc.stdout, selectors.EVENT_READ)
+        deadline = time.monotonic() + 300
+        while not all(f"[worker {i}] STEP 10;".encode() in seen
+                      for i in (0, 1)):
+            assert selector.select(deadline - time.monotonic()), seen[-3000:]
+            chunk = os.read(proc.stdout.fileno(), 65536)
+            assert chunk, seen[-3000:]  # the launcher exited
+            seen += chunk
+        proc.send_signal(signal.SIGTERM)
+        rest, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    stdout, stderr = (seen + rest).decode(), err.decode()
+    assert proc.returncode == 143, stderr[-4000:]
+    assert stderr.strip().splitlines()[-1].startswith(
+        "keras-mgpu launch: stopped by SIGTERM: passed on to every worker "
+        "as SIGTERM"), stderr[-4000:]
+    # The chief names its generation; the other worker does not write
+    # (it said "saved generation None").
+    assert ("[worker 0] BackupAndRestore: SIGTERM received; saved "
+            "generation") in stdout, stdout[-4000:]
+    assert ("[worker 1] BackupAndRestore: SIGTERM received; the chief saved "
+            "this run at epoch") in stdout, stdout[-4000:]
+    assert not list(out.iterdir())  # neither finished
+    code, stdout, stderr = keras_mgpu_launch(
+        "--workers", "2", "--", sys.executable, "tests/launch_worker.py",
+        json.dumps(kwargs), str(out))
+    assert code == 0, stderr[-4000:]
+    assert "[worker 0] BackupAndRestore: resumed from backup generation" in (
+        stdout)
+    for index, full in enumerate(two_workers):
+        resumed = json.loads((out / f"worker{index}.json").read_text())
+        assert resumed["iterations"] == full["iterations"] == 9
+        assert max_diff(resumed["weights"], full["weights"]) <= 1e-6
+
+
 def test_a_command_that_always_fails_stops_after_max_restarts():
     code, _, stderr = keras_mgpu_launch(
         "--workers", "2", "--max-restarts", "2", "--backoff", "0", "--",

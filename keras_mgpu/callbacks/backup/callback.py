@@ -370,13 +370,15 @@ class BackupAndRestore(RuntimeCallback):
             self._save(epoch, done)
             generation_number = self._finish_write()
             self.model.stop_training = True
+            # Only the chief writes: the others took part in its save.
+            saved = (f"saved generation {generation_number}"
+                     if self._fit.chief else "the chief saved this run")
             print(
                 # Counted as the resume's message (and Keras's progress
                 # bar) counts them.
-                f"BackupAndRestore: SIGTERM received; saved generation "
-                f"{generation_number} at epoch {epoch + 1}, step {done}. "
-                f"Exiting with code {self.exit_code}: run the same command "
-                "again to resume.",
+                f"BackupAndRestore: SIGTERM received; {saved} at epoch "
+                f"{epoch + 1}, step {done}. Exiting with code "
+                f"{self.exit_code}: run the same command again to resume.",
                 file=sys.stderr,
                 flush=True,
             )
