@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -855,6 +856,32 @@ def test_a_save_to_a_full_backup_dir_stops_clearly_and_keeps_the_last(
         assert not [p for p in os.listdir(backup_dir) if p.startswith(".tmp")]
     finished = run_script("roomy", 2)
     assert "finished" in finished.stdout, finished.stderr[-3000:]
+
+
+def test_a_backup_dir_replaced_during_training_is_not_called_intact(
+        tmp_path):
+    """The folder removed and a file put in its place after the first
+    save: the failed save says no generation is left (it said
+    "Generation 1 is intact", and the rerun started over)."""
+    backup_dir = tmp_path / "backup"
+    x, y = workers.regression_data(64)
+
+    class Replace(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 1:  # after the save at batch 2's end is written
+                workers.finish_backup_writes()
+                shutil.rmtree(backup_dir)
+                backup_dir.write_text("not a folder")
+
+    model = workers.build_mlp()
+    model.compile("sgd", "mse")
+    with pytest.raises(RuntimeError) as error:
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[
+            BackupAndRestore(str(backup_dir), save_freq=2), Replace()])
+    message = str(error.value)
+    assert f"BackupAndRestore could not write to {backup_dir} (" in message
+    assert "is intact" not in message
+    assert f"No committed generation is left in {backup_dir}" in message
 
 
 class _CrashAfter(keras.callbacks.Callback):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 from typing import Optional
 
+from keras_mgpu import _fs
 from keras_mgpu.callbacks.backup.store import (GenerationStore, PruneFailed,
                                               WriteFailed)
 
@@ -75,21 +76,33 @@ class GenerationWriter:
         return write
 
 
+def _what_is_left(store: GenerationStore, had_any: bool) -> str:
+    """What a rerun resumes from, as it is now, not as it was: the folder
+    may have been removed or replaced during training."""
+    try:
+        committed = store.generations()
+    except _fs.ERRORS:
+        committed = []
+    if committed:
+        return (f"Generation {committed[0]} is intact: make room in (or "
+                "fix) backup_dir and rerun, and the run resumes from it.")
+    if had_any:
+        return (f"No committed generation is left in {store.directory} "
+                "(removed or replaced during training?): a rerun starts "
+                "over.")
+    return "No earlier generation exists."
+
+
 def write_generation(store: GenerationStore, files: dict) -> int:
     """Writes and commits `files` as the next generation; its number. A
     failure is a `RuntimeError` saying what is intact and what to do."""
     try:
         return store.write(files)
     except WriteFailed as e:
-        previous = (
-            f"Generation {e.previous} is intact: make room in (or fix) "
-            "backup_dir and rerun, and the run resumes from it."
-            if e.previous is not None else "No earlier generation exists."
-        )
         raise RuntimeError(
             f"BackupAndRestore could not write generation {e.number} to "
             f"{e.path} ({type(e.cause).__name__}: {e.cause}). Training "
-            f"stops. {previous}"
+            f"stops. {_what_is_left(store, e.previous is not None)}"
         ) from e.cause
     except PruneFailed as e:
         raise RuntimeError(
@@ -99,3 +112,10 @@ def write_generation(store: GenerationStore, files: dict) -> int:
             f"fix backup_dir and rerun, and the run resumes from "
             f"generation {e.number}."
         ) from e.cause
+    except _fs.ERRORS as e:
+        # Before a generation was begun: the folder itself (removed, or
+        # replaced by a file, during training).
+        raise RuntimeError(
+            f"BackupAndRestore could not write to {store.directory} "
+            f"({type(e).__name__}: {e}). Training stops. "
+            f"{_what_is_left(store, True)}") from e
