@@ -272,6 +272,26 @@ def test_batch_norm_moving_statistics_are_the_replicas_mean(mode,
         assert max_diff([ours[0]], [(theirs[0] + theirs[1]) / 2]) < 1e-6
 
 
+def test_the_statistics_ride_on_the_window_all_reduce():
+    """Averaging the moving statistics adds no collective: one all-reduce
+    per window still (run eagerly, every one executed is counted; the
+    (16,)-shaped statistics would show as a second)."""
+    from tests.test_accumulation import CountingAllReduce
+
+    ops = CountingAllReduce((16,))
+    cls = type("CountingMirrored", (tf.distribute.MirroredStrategy,),
+               {"_collective_key_base": 60_000})
+    with cls(["/cpu:0", "/cpu:1"], cross_device_ops=ops).scope():
+        model = GradientAccumulationModel(bn_mlp(), accum_steps=4)
+        model.compile("sgd", "mse", run_eagerly=True)
+    model.fit(batches_dataset(split(regression(), 8)), verbose=0,
+              shuffle=False)
+    assert int(model.optimizer.iterations.numpy()) == 3
+    assert ops.calls == 3
+    for copies in replica_statistics(model):
+        assert max_diff([copies[0]], [copies[1]]) == 0.0
+
+
 def test_a_save_mid_window_keeps_the_replicas_mean(tmp_path):
     """A backup taken mid-window (replicas' moving statistics apart) keeps
     their mean: a run stopped after it and resumed ends where the
