@@ -57,7 +57,7 @@ from keras_mgpu._doctor_nvidia_smi import parse_gpu_query
 from keras_mgpu._doctor_nvidia_smi import parse_topology
 from keras_mgpu._doctor_nvidia_smi import run_nvidia_smi
 from keras_mgpu._version import __version__
-from keras_mgpu.slurm import slurm_task
+from keras_mgpu.slurm import cluster_task
 
 # Feature (the pip extra of the same name) -> display names it needs; defined
 # with the argument parser, which must not import TensorFlow.
@@ -240,14 +240,13 @@ def collect(
     tf_config = env.get("TF_CONFIG", "")
     source = "TF_CONFIG" if tf_config.strip() else None
     kind, info, error = None, None, None
-    if source is None:
-        try:
-            task = slurm_task(env)
-        except ValueError as e:
-            source, error = "SLURM step", e
-        else:
-            if task is not None:
-                tf_config, source = task.tf_config, "SLURM step"
+    try:
+        task = cluster_task(env)
+    except ValueError as e:
+        source, error = "SLURM step", e
+    else:
+        if task is not None:
+            tf_config, source = task.tf_config, "SLURM step"
     if error is None:
         try:
             info = strategy_lib.parse_tf_config(tf_config)

@@ -114,6 +114,21 @@ def slurm_task(environ: Optional[Mapping[str, str]] = None
         gpus_bound="SLURM_GPUS_PER_TASK" in env)
 
 
+def cluster_task(environ: Optional[Mapping[str, str]] = None
+                 ) -> Optional[SlurmTask]:
+    """The SLURM step's task `auto_strategy()` builds the cluster from:
+    `slurm_task()` where `TF_CONFIG` is not set (it comes first), else
+    None.
+
+    Raises:
+        ValueError: as `slurm_task`.
+    """
+    env = os.environ if environ is None else environ
+    if env.get("TF_CONFIG", "").strip():
+        return None
+    return slurm_task(env)
+
+
 def job_port(job_id: int) -> int:
     """The first port of a job's block (a task's is this plus its rank on
     its node)."""

@@ -25,7 +25,7 @@ from keras_mgpu.cluster import _startup_error
 from keras_mgpu.cluster import cluster_info
 from keras_mgpu.cluster import make_tf_config  # noqa: F401
 from keras_mgpu.cluster import parse_tf_config  # noqa: F401
-from keras_mgpu.slurm import gpu_share, slurm_task
+from keras_mgpu.slurm import cluster_task, gpu_share
 
 
 def strategy_kind(
@@ -284,9 +284,7 @@ def _use_slurm_step() -> None:
     """Under `srun` without `TF_CONFIG`: the step's cluster becomes this
     process's `TF_CONFIG` (what TensorFlow's resolver and every fact here
     read), and each task on a node takes its share of the node's GPUs."""
-    if os.environ.get("TF_CONFIG", "").strip():
-        return
-    task = slurm_task()
+    task = cluster_task()
     if task is None:
         return
     os.environ["TF_CONFIG"] = task.tf_config

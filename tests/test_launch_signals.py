@@ -55,7 +55,7 @@ def _ready_pids(proc, count, timeout=120):
     return pids, data.decode(errors="replace")
 
 
-def _gone(pid: int) -> bool:
+def gone(pid: int) -> bool:
     """Whether `pid` no longer runs (a zombie nobody reaped counts as
     gone: it runs nothing)."""
     try:
@@ -94,4 +94,4 @@ def test_a_stop_signal_reaches_every_worker(tmp_path, signum, code, ignore):
     assert "Traceback" not in err
     told = {i for i in range(2) if f"TERM {i}" in out}
     assert told == ({0} if ignore else {0, 1})
-    assert all(_gone(pid) for pid in pids.values()), pids
+    assert all(gone(pid) for pid in pids.values()), pids

@@ -101,14 +101,10 @@ def test_what_a_worker_started_ends_with_the_run(run_workers, tmp_path,
         results = info.value.results
     else:
         results = run_workers(str(script), 2)
-    for result in results:
-        pid = int(result.stdout.split()[0])
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except FileNotFoundError:
-            state = "gone"
-        assert state in ("gone", "Z"), (pid, state)
+    from tests.test_launch_signals import gone
+
+    pids = [int(result.stdout.split()[0]) for result in results]
+    assert all(gone(pid) for pid in pids), pids
 
 
 def test_the_open_file_limit_is_raised_or_named_before_any_worker_starts(
