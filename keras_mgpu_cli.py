@@ -7,13 +7,10 @@
                      [--plot out.png]
     keras-mgpu launch --workers N [--max-restarts R] -- COMMAND [ARGS ...]
 
-This module is outside the `keras_mgpu` package on purpose: importing
-anything from `keras_mgpu` first runs `keras_mgpu/__init__.py`, which imports
-Keras, and so TensorFlow (3-8 s), to register its serializable classes with
-Keras. `keras-mgpu --help` and a mistyped argument need none of that: the
-arguments are parsed by `keras_mgpu_args` (standard library only, names
-re-exported here), and `main` imports `keras_mgpu.cli`, which runs the
-command, only once they parse.
+The arguments are parsed by `keras_mgpu_args` (standard library only,
+names re-exported here), and `main` imports `keras_mgpu.cli`, which runs
+the command, only once they parse; `doctor` and `bench` import TensorFlow
+then, `launch` never does.
 
 `quiet_tensorflow()` (from `keras_mgpu_quiet`, also importable from here)
 imports TensorFlow without the log lines it prints while it loads.
@@ -32,7 +29,7 @@ from keras_mgpu_args import build_parser  # noqa: F401
 from keras_mgpu_args import parse_args
 from keras_mgpu_args import parse_choice_list  # noqa: F401
 from keras_mgpu_args import parse_int_list  # noqa: F401
-from keras_mgpu_quiet import quiet_tensorflow
+from keras_mgpu_quiet import quiet_tensorflow  # noqa: F401
 
 
 # --- The command -----------------------------------------------------------------
@@ -42,8 +39,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Runs `keras-mgpu` with `argv`; returns the exit code.
 
     The arguments are checked before TensorFlow is imported, so `--help` and
-    a bad value answer at once; then `quiet_tensorflow()` imports it and
-    `keras_mgpu.cli` runs the command.
+    a bad value answer at once; then `keras_mgpu.cli` runs the command
+    (`doctor` and `bench` import TensorFlow with `quiet_tensorflow()`).
 
     Args:
         argv: Defaults to `None`, the command line (`sys.argv[1:]`).
@@ -61,7 +58,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 range; each value must be from 1 to 64.
     """
     args = parse_args(argv)
-    quiet_tensorflow()
     from keras_mgpu import cli
 
     return cli.run(args)

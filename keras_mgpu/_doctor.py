@@ -57,7 +57,7 @@ from keras_mgpu._doctor_nvidia_smi import parse_gpu_query
 from keras_mgpu._doctor_nvidia_smi import parse_topology
 from keras_mgpu._doctor_nvidia_smi import run_nvidia_smi
 from keras_mgpu._version import __version__
-from keras_mgpu.slurm import cluster_task
+from keras_mgpu.cluster.slurm import cluster_task
 
 # Feature (the pip extra of the same name) -> display names it needs; defined
 # with the argument parser, which must not import TensorFlow.

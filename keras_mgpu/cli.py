@@ -9,8 +9,9 @@ scaling, `launch` runs a supervised local cluster.
     keras-mgpu launch --workers N [--max-restarts R] -- COMMAND [ARGS ...]
 
 The `keras-mgpu` console script is `keras_mgpu_cli.main`: it parses the
-arguments without importing TensorFlow and then calls `run` here. Also
-runnable as `python -m keras_mgpu.cli ...` (which imports TensorFlow first).
+arguments and then calls `run` here, which imports TensorFlow (quietly)
+for `doctor` and `bench` only: `launch` supervises its workers without
+it. Also runnable as `python -m keras_mgpu.cli ...`.
 The JSON formats are documented in `keras_mgpu._doctor` and
 `keras_mgpu._bench`.
 """
@@ -23,12 +24,11 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from keras_mgpu import _bench
-from keras_mgpu import _doctor
 from keras_mgpu import launcher
 # The parser lives in a top-level module that imports no TensorFlow (see its
 # docstring); callers of keras_mgpu.cli.build_parser keep working.
 from keras_mgpu_args import build_parser, parse_args
+from keras_mgpu_quiet import quiet_tensorflow
 
 EXIT_OK = 0
 EXIT_FINDING_ERROR = 1
@@ -49,6 +49,8 @@ def _file_runner(topo: Optional[str], query: Optional[str]):
 
 
 def run_doctor(args: argparse.Namespace) -> int:
+    from keras_mgpu import _doctor
+
     runner = None
     devices = None
     if args.nvidia_smi_topo or args.nvidia_smi_query:
@@ -69,6 +71,8 @@ def run_doctor(args: argparse.Namespace) -> int:
 
 
 def _bench_child(args: argparse.Namespace) -> int:
+    from keras_mgpu import _bench
+
     output = _bench.run_child(
         replicas=args.replicas[0], model_name=args.model,
         policies=json.loads(args._policies), accum=args.accum,
@@ -85,6 +89,7 @@ def run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return _bench_child(args)
     import tensorflow as tf
 
+    from keras_mgpu import _bench
     from keras_mgpu import mixed_precision
 
     # Physical devices only: listing them leaves TensorFlow uninitialised.
@@ -190,10 +195,11 @@ def run(args: argparse.Namespace) -> int:
     >>> run(build_parser().parse_args(["doctor", "--json"]))  # doctest: +SKIP
     0
     """
-    if args.command == "doctor":
-        return run_doctor(args)
     if args.command == "launch":
         return run_launch(args)
+    quiet_tensorflow()
+    if args.command == "doctor":
+        return run_doctor(args)
     return run_bench(args, args.subparser)
 
 
@@ -201,8 +207,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Runs `keras-mgpu` with `argv` (default: the command line); the exit code.
 
     The console script is `keras_mgpu_cli.main`, which parses the arguments
-    before importing this module (and TensorFlow); this one serves
-    `python -m keras_mgpu.cli` and callers that already imported keras_mgpu.
+    before importing this module; this one serves `python -m keras_mgpu.cli`
+    and callers that already imported keras_mgpu.
 
     Args:
         argv: Defaults to `None`, the command line (`sys.argv[1:]`).

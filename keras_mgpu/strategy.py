@@ -18,14 +18,14 @@ import tensorflow as tf
 
 from keras_mgpu import backend
 from keras_mgpu._checks import is_positive_int
-from keras_mgpu.cluster import _TRAINING_TASK_TYPES
+from keras_mgpu.cluster.tf_config import _TRAINING_TASK_TYPES
 from keras_mgpu.cluster import GRPC_START_FAILED
 from keras_mgpu.cluster import ClusterInfo
-from keras_mgpu.cluster import _startup_error
+from keras_mgpu.cluster.tf_config import _startup_error
 from keras_mgpu.cluster import cluster_info
 from keras_mgpu.cluster import make_tf_config  # noqa: F401
 from keras_mgpu.cluster import parse_tf_config  # noqa: F401
-from keras_mgpu.slurm import cluster_task, gpu_share
+from keras_mgpu.cluster.slurm import cluster_task, gpu_share
 
 
 def strategy_kind(

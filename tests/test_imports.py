@@ -7,6 +7,7 @@ function), so a lazy import counts as an edge too.
 
 import ast
 import os
+import textwrap
 
 import pytest
 
@@ -132,3 +133,86 @@ def test_no_module_looks_into_frames_or_the_heap():
             if used in banned:
                 found.append(f"{name}:{node.lineno}: {used}")
     assert not found, found
+
+
+def _third_party(path: str) -> set:
+    """The top-level names of what `path` imports from outside the
+    standard library and keras-mgpu."""
+    import sys
+
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names.add((node.module or "").split(".")[0])
+    return {n for n in names if n not in sys.stdlib_module_names
+            and not n.startswith("keras_mgpu") and n != "__future__"}
+
+
+def test_the_launcher_stands_on_the_standard_library_alone():
+    # `keras-mgpu launch` supervises without Keras or TensorFlow.
+    modules, graph = package_modules(), _graph()
+    cluster = {m for m in modules if m == "keras_mgpu.cluster"
+               or _is_ancestor("keras_mgpu.cluster", m)}
+    allowed = cluster | {"keras_mgpu._checks", "keras_mgpu_args"}
+    for name in sorted(cluster | {"keras_mgpu.launcher", "keras_mgpu.slurm",
+                                  "keras_mgpu._with_keras"}):
+        # `_with_keras` names the backend seam, imported once Keras is.
+        also = {"keras_mgpu.backend"} if name.endswith("_with_keras") else set()
+        assert graph[name] <= allowed | also, (name, graph[name] - allowed)
+        assert not _third_party(modules[name]), (name, _third_party(
+            modules[name]))
+
+
+def _python(code: str) -> str:
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout
+
+
+def test_importing_the_package_and_the_launcher_imports_no_keras():
+    out = _python(
+        "import sys, keras_mgpu, keras_mgpu.launcher, keras_mgpu.slurm\n"
+        "keras_mgpu.launcher.launch\n"
+        "print(sorted(m for m in ('keras', 'tensorflow', 'jax') "
+        "if m in sys.modules))")
+    assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize("order", ["package first", "keras first"])
+def test_keras_brings_the_core_whichever_comes_first(tmp_path, order):
+    # Saved by one process, loaded by another that named no keras-mgpu
+    # class: the classes are registered once Keras is imported; and a
+    # logger made after `model.fit` was looked up still sees its fit.
+    path = tmp_path / "model.keras"
+    _python(textwrap.dedent(f"""
+        import keras, keras_mgpu
+        inputs = keras.Input((3,))
+        outputs = keras_mgpu.layers.FP32OutputHead(2)(
+            keras.layers.Dense(4)(inputs))
+        keras.Model(inputs, outputs).save({str(path)!r})
+    """))
+    imports = ("import keras_mgpu\nimport keras" if order == "package first"
+               else "import keras\nimport keras_mgpu")
+    out = _python(imports + textwrap.dedent(f"""
+        import numpy as np
+        # `fit` records itself before anyone looks it up.
+        print(hasattr(keras.Model.fit, "keras_stock"))
+        model = keras.models.load_model({str(path)!r})
+        print(type(model.layers[-1]).__name__)
+        model.compile("sgd", "mse")
+        log_dir = {str(tmp_path / "logs")!r}
+        model.fit(np.ones((8, 3)), np.ones((8, 2)), verbose=0, epochs=1,
+                  callbacks=[keras_mgpu.callbacks.DistributedLogger(log_dir)])
+        print(sum(1 for _ in open(log_dir + "/metrics.jsonl")) > 0)
+    """))
+    lines = out.splitlines()  # the logger prints its records between
+    assert lines[:2] == ["True", "FP32OutputHead"] and lines[-1] == "True"

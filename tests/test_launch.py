@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -257,7 +258,9 @@ def test_a_port_taken_after_it_was_picked_restarts_on_fresh_ports(
             picks[0][0] = taken
         return picks[-1]
 
-    monkeypatch.setattr(launcher, "free_ports", ports)
+    from keras_mgpu.cluster import workers
+
+    monkeypatch.setattr(workers, "free_ports", ports)
     program = ("import keras_mgpu; keras_mgpu.auto_strategy("
                "startup_timeout=120); print('UP', flush=True)")
     report = io.StringIO()
@@ -288,3 +291,74 @@ def test_the_exit_code_is_the_failing_workers_not_a_stopped_ones():
     assert attempt.returncodes == (-signal.SIGKILL, 3)
     assert attempt.failed == (1,) and not attempt.restartable
     assert error.value.exit_code == 3
+
+
+# Worker 1 dies in attempt 1; worker 0 then prints what TensorFlow prints
+# when a peer of its collectives is gone, and waits (to be stopped).
+ABORTING_WORKER = textwrap.dedent("""
+    import json, os, signal, sys, time
+    index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    if os.environ["KERAS_MGPU_ATTEMPT"] == "2":
+        print(f"DONE {index}")
+        sys.exit(0)
+    print(f"TRAINING {index}", flush=True)
+    flag = sys.argv[1]
+    if index == 1:
+        with open(flag + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(flag + ".tmp", flag)
+        os.kill(os.getpid(), signal.SIGKILL)
+    def gone(pid):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        except FileNotFoundError:
+            return True
+    while not os.path.exists(flag) or not gone(int(open(flag).read())):
+        time.sleep(0.01)
+    lines = ["Traceback (most recent call last):",
+             '  File "train.py", line 40, in <module>',
+             "    model.fit(dataset, epochs=3)",
+             "tensorflow.python.framework.errors_impl.UnavailableError: "
+             "Collective ops is aborted by: failed to connect to all "
+             "addresses"]
+    lines += [f"  [{i}] UNAVAILABLE: Collective ops is aborted by: peer "
+              "gone" for i in range(110)]
+    print("\\n".join(lines), file=sys.stderr, flush=True)
+    signal.pause()
+""")
+
+
+def test_a_failure_is_named_before_the_survivors_collective_errors(
+        tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(ABORTING_WORKER)
+    run = subprocess.run(
+        [KERAS_MGPU, "launch", "--workers", "2", "--max-restarts", "1",
+         "--backoff", "0", "--", sys.executable, str(script),
+         str(tmp_path / "died")],
+        env=dict(os.environ, TMPDIR=str(tmp_path)), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, timeout=120)
+    lines = run.stdout.splitlines()
+    assert run.returncode == 0, run.stdout[-4000:]
+    restart = lines.index(
+        "keras-mgpu launch: attempt 1 ended: worker 1 killed by SIGKILL "
+        "(exit -9). Restarting all 2 workers in 0 s (restart 1 of 1).")
+    # Worker 0's output before the failure is shown as it came; after it,
+    # one line after the launcher's, which names the file that has it all.
+    assert lines.index("[worker 0] TRAINING 0") < restart
+    survivor = [line for line in lines[restart:]
+                if line.startswith("[worker 0]") and "DONE" not in line]
+    assert len(survivor) == 1, run.stdout[-4000:]
+    assert "Traceback" not in run.stdout and "UNAVAILABLE" not in run.stdout
+    assert survivor[0].startswith(
+        "[worker 0] 114 lines held back after worker 1 failed: its "
+        "collective ops aborted (tensorflow.python.framework.errors_impl."
+        "UnavailableError: Collective ops is aborted by: "), survivor[0]
+    path = survivor[0].rsplit("the full text is in ", 1)[1]
+    assert path.startswith(str(tmp_path))
+    kept = open(path).read().splitlines()
+    assert kept[0] == "Traceback (most recent call last):"
+    assert len(kept) == 114 and kept[-1].startswith("  [109] UNAVAILABLE")
+    assert lines[-1] == (
+        "keras-mgpu launch: all 2 workers finished after 1 restart.")

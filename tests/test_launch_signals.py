@@ -95,3 +95,48 @@ def test_a_stop_signal_reaches_every_worker(tmp_path, signum, code, ignore):
     told = {i for i in range(2) if f"TERM {i}" in out}
     assert told == ({0} if ignore else {0, 1})
     assert all(gone(pid) for pid in pids.values()), pids
+
+
+def test_a_launcher_killed_by_sigkill_takes_its_workers_along(tmp_path):
+    # No handler sees a SIGKILL: the workers, in their own sessions, used
+    # to train on, holding the backup's lock.
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    proc = subprocess.Popen(
+        [console_script(), "launch", "--workers", "2", "--", sys.executable,
+         str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        pids, _ = _ready_pids(proc, 2)
+        proc.kill()
+        proc.wait(timeout=60)
+        deadline = time.monotonic() + 60
+        while not all(gone(p) for p in pids.values()):
+            assert time.monotonic() < deadline, f"orphans: {pids}"
+            time.sleep(0.05)
+    finally:
+        proc.kill()
+        for pid in pids.values() if "pids" in locals() else ():
+            if not gone(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_stopped_launch_names_the_attempts_that_ended_before(tmp_path):
+    # Attempt 1 ends restartable (143); in attempt 2 the worker asks its
+    # launcher, this process, to stop.
+    from keras_mgpu import launcher
+
+    script = tmp_path / "worker.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal, sys
+        if os.environ["KERAS_MGPU_ATTEMPT"] == "1":
+            sys.exit(143)
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        os.kill(os.getppid(), signal.SIGTERM)
+        signal.pause()
+    """))
+    with pytest.raises(launcher.LaunchError) as stopped:
+        launcher.launch([sys.executable, str(script)], 1, max_restarts=3,
+                        backoff=0, grace_period=30, timeout=120)
+    assert stopped.value.exit_code == 143
+    assert [a.why for a in stopped.value.attempts] == [
+        "worker 0 exit code 143"], stopped.value.attempts

@@ -124,9 +124,10 @@ def test_the_open_file_limit_is_raised_or_named_before_any_worker_starts(
     fits = (hard - 64) // 3  # workers whose files the hard limit holds
     code = textwrap.dedent(f"""
         import resource
-        from keras_mgpu import _worker_processes, launcher
+        from keras_mgpu import launcher
+        from keras_mgpu.cluster import processes
         resource.setrlimit(resource.RLIMIT_NOFILE, (64, {hard}))
-        _worker_processes.check_open_files({fits})  # raises the soft limit
+        processes.check_open_files({fits})  # raises the soft limit
         print("LIMIT", resource.getrlimit(resource.RLIMIT_NOFILE)[0])
         resource.setrlimit(resource.RLIMIT_NOFILE, (64, 1024))
         try:
@@ -175,7 +176,7 @@ def test_memory_stays_bounded_whatever_a_worker_prints(tmp_path):
     assert set(lines) == {"GROWN_MB", "KEPT", "TAIL"}, done.stderr[-3000:]
     assert int(lines["GROWN_MB"]) < 40, lines
     kept, head = lines["KEPT"].split(" ", 1)
-    from keras_mgpu._launcher_output import KEPT_BYTES
+    from keras_mgpu.cluster.output import KEPT_BYTES
 
     assert int(kept) < 2 * KEPT_BYTES
     assert head.startswith("[... 98951") and "earlier bytes" in head

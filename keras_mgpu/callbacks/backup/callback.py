@@ -23,7 +23,7 @@ from keras_mgpu.callbacks.backup import generation, writer
 from keras_mgpu.callbacks.backup import state as callback_state
 from keras_mgpu.callbacks.backup.compatibility import (fingerprint,
                                                       training_config)
-from keras_mgpu.callbacks.backup.exit_codes import RESTART_EXIT_CODE
+from keras_mgpu.cluster.exit_codes import RESTART_EXIT_CODE
 from keras_mgpu.callbacks.backup.lock import OwnerLock
 from keras_mgpu.callbacks.backup.options import (check_arguments,
                                                  check_writable)

@@ -7,7 +7,7 @@ it there.
 
 from __future__ import annotations
 
-from keras_mgpu.callbacks.backup.exit_codes import RESTART_EXIT_CODE
+from keras_mgpu.cluster.exit_codes import RESTART_EXIT_CODE
 
 PRESETS = {
     "epoch": {

@@ -1,5 +1,6 @@
 """The worker processes' limits and ends: the open files they need, a stop
-that gives them time, and the kill of each whole process group.
+that gives them time, the kill of each whole process group, and their end
+with the launcher's.
 
 Only the standard library (`resource` where there is one).
 """
@@ -10,6 +11,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import time
 
 
@@ -99,3 +101,29 @@ def _running_groups(groups: set) -> set:
         if fields[0] != b"Z" and int(fields[2]) in groups:
             running.add(int(fields[2]))
     return running
+
+
+# Run in each worker's process before its command (which replaces it, same
+# pid): Linux's parent-death signal kills the worker when the launcher
+# ends, even by SIGKILL, which no handler of the launcher's can see. It is
+# kept across the exec. A launcher already gone by then (between the fork
+# and the prctl) is seen by the parent pid.
+_TIED = """
+import ctypes, os, signal, sys
+PR_SET_PDEATHSIG = 1
+ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+if os.getppid() != int(sys.argv[1]):
+    os.kill(os.getpid(), signal.SIGKILL)
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
+
+
+def tied_to_launcher(command: list) -> list:
+    """`command`, made to end with this process (Linux; elsewhere as it
+    is): its parent-death signal is SIGKILL."""
+    if not sys.platform.startswith("linux"):
+        return command
+    # -I -S: the few lines above start in milliseconds and ignore the
+    # worker's PYTHON* variables, which are its command's.
+    return [sys.executable, "-I", "-S", "-c", _TIED, str(os.getpid()),
+            *command]

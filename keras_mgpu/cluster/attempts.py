@@ -1,21 +1,19 @@
-"""The restart policy of `keras_mgpu.launcher.launch`: why an attempt of a
-local cluster ended, whether that is worth another attempt, how long to
-wait first, and the watchdog that calls a run hung.
+"""The restart policy of `launch`: why an attempt of a local cluster
+ended, whether that is worth another attempt, how long to wait first, and
+the watchdog that calls a run hung.
 
-Only the standard library: the processes themselves are the launcher's.
+Only the standard library: the processes themselves are `workers`'.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import signal
-import threading
 import time
 from typing import Optional, Sequence
 
-from keras_mgpu._launcher_output import WorkerError, WorkerResult, _how
-from keras_mgpu.cluster import GRPC_START_FAILED
+from keras_mgpu.cluster.output import WorkerError, WorkerResult, _how
+from keras_mgpu.cluster.tf_config import GRPC_START_FAILED
 
 # The longest wait between attempts, however many restarts came before.
 MAX_BACKOFF_SECONDS = 60.0
@@ -75,8 +73,9 @@ class LaunchResult:
 
 
 class LaunchError(WorkerError):
-    """`launch` gave up: a failure it does not restart for, or no restarts
-    left. `attempts` holds every attempt; `results` the last one's workers;
+    """`launch` gave up: a failure it does not restart for, no restarts
+    left, or a stop signal. `attempts` holds every attempt that ended (a
+    stopped one is the message); `results` the last one's workers;
     `exit_code` the status a shell would report for the failure."""
 
     def __init__(self, message: str, attempts: Sequence[Attempt],
@@ -174,65 +173,3 @@ class ProgressWatchdog:
             return (f"hung: {self._path} unchanged for more than "
                     f"{self._seconds:g} s; stopped every worker")
         return None
-
-
-# What a scheduler (SLURM's `--signal`, Kubernetes), a closed terminal and
-# Ctrl-C send a job.
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
-
-
-class Stopped(Exception):
-    """The launcher was asked to stop (`signum`); its workers are gone."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-class StopSignals:
-    """While entered (on the main thread), SIGTERM, SIGHUP and SIGINT
-    become a request to stop the workers, not the launcher's sudden end
-    (which left them running, in their own sessions). A second signal
-    asks to stop at once. Elsewhere than on the main thread, where Python
-    cannot handle signals, nothing changes."""
-
-    def __init__(self):
-        self.signum: Optional[int] = None
-        self.at_once = False
-        self._event = threading.Event()
-        self._previous = {}
-
-    def __enter__(self) -> "StopSignals":
-        if threading.current_thread() is threading.main_thread():
-            for signum in STOP_SIGNALS:
-                self._previous[signum] = signal.signal(signum, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-
-    def _handle(self, signum, frame) -> None:
-        if self.signum is not None:
-            self.at_once = True
-        self.signum = signum
-        self._event.set()
-
-    def check(self) -> None:
-        """Raises `Stopped` if a stop was asked for."""
-        if self.signum is not None:
-            raise Stopped(self.signum)
-
-    def sleep(self, seconds: float) -> None:
-        """Sleeps, or raises `Stopped` when asked to stop meanwhile."""
-        self._event.wait(seconds)
-        self.check()
-
-
-def stopped_message(signum: int, grace_period: float) -> str:
-    """`launch`'s one line when a signal stopped it."""
-    name = signal.Signals(signum).name
-    return (f"keras-mgpu launch: stopped by {name}: passed on to every "
-            f"worker as SIGTERM (a BackupAndRestore saves and exits), the "
-            f"rest killed after {grace_period:g} s. Run the same command "
-            "again to resume.")

@@ -1,8 +1,6 @@
-"""What the workers of `run_local_workers` leave behind, and how it is shown.
-
-Their results (`WorkerResult`), their output echoed line by line under each
-worker's label, and the `WorkerError` message that puts the first failure's
-stderr first.
+"""What the workers of `run_local_workers` leave behind: their results
+(`WorkerResult`), their output read back with bounded memory, and the
+`WorkerError` message that puts the first failure's stderr first.
 """
 
 from __future__ import annotations
@@ -69,39 +67,6 @@ def _tail(text: str, lines: int = 60) -> str:
 # pieces) or reads at once.
 KEPT_BYTES = 1 << 20
 _CHUNK = 1 << 20
-
-
-class _Echo:
-    """Copies the workers' output files to a stream, line by line, each
-    line after its worker's label (a line longer than `_CHUNK` in
-    pieces, each under the label)."""
-
-    def __init__(self, stream, files, labels):
-        self.stream, self.files, self.labels = stream, files, labels
-        self.offsets, self.partial = {}, {}
-
-    def copy(self, final: bool = False) -> None:
-        if self.stream is None:
-            return
-        for i, pair in enumerate(self.files):
-            for f in pair:
-                for data in _new_bytes(f.name, self.offsets):
-                    self._lines(i, f.name, data, final=False)
-                self._lines(i, f.name, b"", final)
-        self.stream.flush()
-
-    def _lines(self, i: int, name: str, data: bytes, final: bool) -> None:
-        data = self.partial.pop(name, b"") + data
-        lines = data.split(b"\n")
-        last = lines.pop()
-        if last and (final or len(last) >= _CHUNK):
-            lines.append(last)
-        elif last:
-            # A line still being written waits for its end.
-            self.partial[name] = last
-        for line in lines:
-            self.stream.write(f"[{self.labels[i]}] "
-                              f"{line.decode(errors='replace')}\n")
 
 
 def _new_bytes(name: str, offsets: dict):
