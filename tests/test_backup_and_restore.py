@@ -135,12 +135,14 @@ def test_plain_keras_backup_and_restore_is_not_exact(tmp_path):
     assert max_diff(resumed.get_weights(), full.get_weights()) <= 1e-6
 
 
-@pytest.mark.parametrize("save_freq, generation, epoch, step", [
-    (4, 3, 2, 4),          # saved at steps 4, 8, 12: the last is mid-epoch 2
-    ("epoch", 1, 2, 0),    # saved at the end of epoch 1: epoch 2 starts anew
+@pytest.mark.parametrize("save_freq, generation, where", [
+    # Saved at steps 4, 8, 12: the last is mid-epoch 2.
+    (4, 3, "at epoch 2, step 4"),
+    # Saved at the end of epoch 1: epoch 2 starts anew.
+    ("epoch", 1, "at the start of epoch 2"),
 ])
 def test_a_resume_says_where_it_resumed_from(tmp_path, capsys, save_freq,
-                                             generation, epoch, step):
+                                             generation, where):
     backup_dir = str(tmp_path / "backup")
     with pytest.raises(RuntimeError, match="crash"):
         fit_24_steps([BackupAndRestore(backup_dir, save_freq=save_freq),
@@ -148,8 +150,8 @@ def test_a_resume_says_where_it_resumed_from(tmp_path, capsys, save_freq,
     assert "resumed" not in capsys.readouterr().out
     fit_24_steps([BackupAndRestore(backup_dir, save_freq=save_freq)])
     assert capsys.readouterr().out.splitlines() == [
-        f"BackupAndRestore: resumed from backup generation {generation} at "
-        f"epoch {epoch}, step {step} ({backup_dir})"]
+        f"BackupAndRestore: resumed from backup generation {generation} "
+        f"{where} ({backup_dir})"]
 
 
 def test_kill_during_an_asynchronous_write_falls_back_to_the_last_commit(
@@ -374,7 +376,7 @@ def test_every_kind_of_damage_is_detected(two_generations, tmp_path, capsys,
             f"generation 2 in {backup_dir} is unusable .*; falling back "
             "to generation 1")):
         model, history = fit_in_process(BackupAndRestore(backup_dir))
-    assert (f"resumed from backup generation 1 at epoch 2, step 0"
+    assert ("resumed from backup generation 1 at the start of epoch 2"
             in capsys.readouterr().out)
     assert len(history.history["loss"]) == 2
     assert int(model.optimizer.iterations.numpy()) == 24
@@ -416,7 +418,7 @@ def test_a_generation_without_its_manifest_is_a_leftover_not_damage(
                                     extra_callbacks=[Probe()])
     assert seen["entries"] == ["LOCK.json", "gen-00000001"]
     assert not [w for w in recwarn if "unusable" in str(w.message)]
-    assert ("resumed from backup generation 1 at epoch 2, step 0"
+    assert ("resumed from backup generation 1 at the start of epoch 2"
             in capsys.readouterr().out)
     assert int(model.optimizer.iterations.numpy()) == 24
     assert max_diff(model.get_weights(), full) <= 1e-6
@@ -734,9 +736,9 @@ def test_a_rerun_past_the_last_epoch_keeps_the_backups(tmp_path):
     model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[
         BackupAndRestore(str(backup_dir), delete_checkpoint=False)])
     saved = generation_lib.generations(str(backup_dir))
-    with pytest.warns(UserWarning, match=r"at epoch 2, but fit\(epochs=2\) "
-                      "ends before it: nothing is trained and the backups "
-                      "are kept"):
+    with pytest.warns(UserWarning, match=r"at the start of epoch 3, but "
+                      r"fit\(epochs=2\) ends with epoch 2: nothing is trained "
+                      "and the backups are kept"):
         model.fit(x, y, batch_size=16, epochs=2, verbose=0,
                   callbacks=[BackupAndRestore(str(backup_dir))])
     assert generation_lib.generations(str(backup_dir)) == saved
@@ -762,12 +764,12 @@ def test_presets_exit_with_a_code_the_job_runners_rerun(preset, scheduler):
 def test_docs_show_the_exit_code_table_as_the_data_says():
     from pathlib import Path
 
-    from keras_mgpu.callbacks.backup import exit_codes as _exit_codes
+    from keras_mgpu.cluster import exit_codes as _exit_codes
 
     docs = (Path(__file__).parents[1] / "docs" / "backup.md").read_text()
     assert _exit_codes.exit_code_table() in docs, (
         "docs/backup.md's exit-code table differs from RETRIED_EXIT_CODES; "
-        "paste keras_mgpu.callbacks.backup.exit_codes.exit_code_table() there.")
+        "paste keras_mgpu.cluster.exit_codes.exit_code_table() there.")
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -922,7 +924,7 @@ def test_a_resume_with_another_batch_size_skips_the_same_samples(tmp_path):
     x, y = workers.regression_data(128)
     _crash_mid_epoch(tmp_path / "b", x, y)
     resumed = _sgd_mlp()
-    with pytest.warns(UserWarning, match="saved after 64 samples of epoch 0 "
+    with pytest.warns(UserWarning, match="saved after 64 samples of epoch 1 "
                       r"\(4 batches of 16\); this run's batches hold 32: "
                       "skipping 2 batches, the same 64 samples"):
         resumed.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0,
@@ -945,7 +947,7 @@ def test_a_batch_size_that_cannot_skip_exactly_is_refused(tmp_path):
     with pytest.raises(ValueError) as error:
         model.fit(x, y, batch_size=24, epochs=2, shuffle=False, verbose=0,
                   callbacks=[BackupAndRestore(str(backup_dir))])
-    assert ("saved after 64 samples of epoch 0 (4 batches of 16); this run's "
+    assert ("saved after 64 samples of epoch 1 (4 batches of 16); this run's "
             "batches hold 24, and no whole number of them is 64 samples"
             ) in str(error.value)
     assert "Resume with the saved global batch size 16" in str(error.value)
@@ -1145,18 +1147,18 @@ def test_a_resume_with_steps_per_execution_is_exact(tmp_path, first,
 
 
 @pytest.mark.parametrize("first, crash_at, rerun, message", [
-    # Saved after 96 samples of epoch 1; the rerun's epochs hold 64.
-    ({}, 14, {"samples": 64}, "saved after 96 samples of epoch 1 (6 batches "
+    # Saved after 96 samples of epoch 2; the rerun's epochs hold 64.
+    ({}, 14, {"samples": 64}, "saved after 96 samples of epoch 2 (6 batches "
      "of 16); this run's epochs hold 4 batches of 16: this run's data is "
      "shorter than the saved run's"),
     ({"unknown_length": True}, 14, {"samples": 64, "unknown_length": True},
-     "saved after 96 samples of epoch 1 (6 batches of 16); this run's data "
+     "saved after 96 samples of epoch 2 (6 batches of 16); this run's data "
      "ended after 4 of them: this run's data is shorter than the saved "
      "run's"),
     # Epoch 1 began 10 batches into the repeated data; the rerun reads the
     # data afresh each epoch.
     ({"spe": 5, "infinite": True}, 15, {"spe": 5},
-     "saved after 80 samples of epoch 1 (5 batches of 16), which began 10 "
+     "saved after 80 samples of epoch 2 (5 batches of 16), which began 10 "
      "batches into data that steps_per_epoch read on across epochs; this "
      "run reads its data afresh each epoch"),
 ], ids=["known_length", "unknown_length", "without_steps_per_epoch"])

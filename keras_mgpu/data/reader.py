@@ -8,6 +8,11 @@ from functools import partial
 from typing import Callable, Optional
 
 import tensorflow as tf
+# Both come with TensorFlow: the error of a message that does not parse,
+# and the message `tf.io.serialize_tensor` writes (TensorFlow exports no
+# name for it, as it does `tf.train.Example` for a record).
+from google.protobuf.message import DecodeError
+from tensorflow.core.framework import tensor_pb2
 
 from keras_mgpu import _fs
 from keras_mgpu._checks import (
@@ -18,7 +23,12 @@ from keras_mgpu._checks import (
 )
 from keras_mgpu import strategy as strategy_lib
 from keras_mgpu.data.spec import SPEC_FILE, _check_regular, read_spec
-from keras_mgpu.data.structure import _flat_names, _pack
+from keras_mgpu.data.structure import (
+    _field,
+    _flat_names,
+    _leaf_paths,
+    _pack,
+)
 
 
 def tfrecord_dataset(
@@ -72,12 +82,16 @@ def tfrecord_dataset(
         verify: Defaults to `"first"`: compare the files with the
             `spec.json` of their folder (a file it does not list, e.g. left
             from an earlier write with more shards; a listed one missing;
-            one whose size differs, i.e. cut short or changed) and parse
-            each file's first record now, so a spec mismatch fails here,
-            naming the file. `"all"`: also read every record, so a corrupt
-            one, or a file holding fewer examples than its spec says, fails
-            here, naming the file (and the record's index). `"none"`: check
-            nothing up front.
+            one whose size differs, i.e. cut short or changed), and compare
+            each file's first record with it (the features it holds, each
+            one's dtype and shape) and parse it now, so a spec that does not
+            fit the records (edited, e.g. two features' entries swapped, or
+            from another write) fails here, naming the file, each feature,
+            what the spec says and what the record holds. `"all"`: also read
+            every record, so a corrupt one, or a file holding fewer examples
+            than its spec says, fails here, naming the file (and the
+            record's index). `"none"`: check nothing up front but the spec
+            itself.
         num_parallel_calls: Defaults to `tf.data.AUTOTUNE`. Parallelism
             of reading, parsing and `map_fn`: a positive integer or
             `tf.data.AUTOTUNE`.
@@ -161,7 +175,7 @@ def tfrecord_dataset(
     else:
         spec, expected = _check_files(files)
         parse = _parser(spec)
-        _verify(files, parse, expected, read_all=verify == "all")
+        _verify(files, spec, parse, expected, read_all=verify == "all")
 
     workers = strategy_lib.num_workers() if strategy_lib.is_multi_worker(
         strategy
@@ -217,8 +231,9 @@ def verify_tfrecords(pattern: str) -> int:
 
     Checks what `tfrecord_dataset(..., verify="all")` checks: every file is
     one its folder's `spec.json` lists, every file it lists is there, with
-    its size, and holds as many examples as the spec says; every record
-    parses.
+    its size, and holds as many examples as the spec says; each file's first
+    record holds the features the spec names, of its dtypes and shapes;
+    every record parses.
 
     Args:
         pattern: Glob of the shard files, e.g. `"data/train-*.tfrecord"`.
@@ -245,7 +260,7 @@ def verify_tfrecords(pattern: str) -> int:
     if not files:
         raise FileNotFoundError(f"No files match {pattern!r}.")
     spec, expected = _check_files(files)
-    return _verify(files, _parser(spec), expected, read_all=True)
+    return _verify(files, spec, _parser(spec), expected, read_all=True)
 
 
 def _check_pattern(pattern) -> str:
@@ -335,9 +350,10 @@ def _check_files(files: list):
     return first[0], expected
 
 
-def _verify(files, parse, expected: dict, read_all: bool) -> int:
-    """Parses each file's first record (`read_all`: every record, and
-    compares the count with `expected[path]`, `(examples, spec path)`)."""
+def _verify(files, spec: dict, parse, expected: dict, read_all: bool) -> int:
+    """Compares each file's first record with `spec` and parses it
+    (`read_all`: parses every record, and compares the count with
+    `expected[path]`, `(examples, spec path)`)."""
     count = 0
     for path in files:
         records = iter(tf.data.TFRecordDataset(path))
@@ -350,6 +366,8 @@ def _verify(files, parse, expected: dict, read_all: bool) -> int:
                 break
             except tf.errors.DataLossError as e:
                 raise _bad_record(path, index, "is corrupt", e) from None
+            if index == 0:
+                _check_example(path, record.numpy(), spec, spec_path)
             try:
                 parse(record)
             except tf.errors.InvalidArgumentError as e:
@@ -366,6 +384,82 @@ def _verify(files, parse, expected: dict, read_all: bool) -> int:
                 "rewrite the folder with keras_mgpu.data.write_tfrecords."
             )
     return count
+
+
+def _check_example(path: str, record: bytes, spec: dict,
+                   spec_path: str) -> None:
+    """Compares a record's own features with `spec`: their names, and the
+    dtype and shape of the tensor each holds.
+
+    One record of a file costs little, and names what parsing cannot: an
+    op error names neither the feature nor both sides, and features of one
+    dtype and shape swapped in the spec would parse without any error.
+    """
+    try:
+        held = tf.train.Example.FromString(record).features.feature
+    except DecodeError:
+        raise ValueError(
+            f"TFRecord file {path!r}: record 0 is not a tf.train.Example, so "
+            "the file was not written by keras_mgpu.data.write_tfrecords. "
+            "Read it with tf.data.TFRecordDataset, or rewrite it with "
+            "write_tfrecords."
+        ) from None
+    fields = _leaf_paths(spec["structure"])
+    problems = [f"{SPEC_FILE} names {_feature(n, fields)}, the record holds "
+                "no such feature" for n in fields if n not in held]
+    problems += [f"the record holds a feature {n!r} that {SPEC_FILE} does "
+                 "not name" for n in sorted(held) if n not in fields]
+    for name in fields:
+        if name not in held:
+            continue
+        says = spec["features"][name]
+        wanted = (tf.dtypes.as_dtype(says["dtype"]).name,
+                  tf.TensorShape(says["shape"]))
+        holds = _held_tensor(held[name])
+        if isinstance(holds, str):
+            problems.append(f"{_feature(name, fields)}: {SPEC_FILE} says "
+                            f"{_describe(*wanted)}, the record holds {holds}")
+        elif holds[0] != wanted[0] or not wanted[1].is_compatible_with(
+                holds[1]):
+            problems.append(f"{_feature(name, fields)}: {SPEC_FILE} says "
+                            f"{_describe(*wanted)}, the record holds "
+                            f"{_describe(*holds)}")
+    if problems:
+        raise ValueError(
+            f"TFRecord file {path!r}: record 0 does not match {SPEC_FILE} "
+            f"({spec_path!r}): {'; '.join(problems)}. The spec was edited "
+            "(two features' entries swapped, say) or comes from another "
+            f"write: restore the {SPEC_FILE} written with these shards, or "
+            "rewrite the folder with keras_mgpu.data.write_tfrecords."
+        )
+
+
+def _held_tensor(feature):
+    """(dtype name, shape) of the serialized tensor a feature holds, as
+    `write_tfrecords` writes each one; else what it holds instead, in words."""
+    kind = feature.WhichOneof("kind")
+    if kind is None:
+        return "an empty feature, not one serialized tensor"
+    values = getattr(feature, kind).value
+    if kind != "bytes_list" or len(values) != 1:
+        return (f"a {kind} of {len(values)} value(s), not one serialized "
+                "tensor")
+    try:
+        proto = tensor_pb2.TensorProto.FromString(values[0])
+        dtype = tf.dtypes.as_dtype(proto.dtype).name
+    except (DecodeError, TypeError):
+        return "bytes that are not a serialized tensor"
+    if proto.tensor_shape.unknown_rank:
+        return f"a {dtype} tensor of unknown shape"
+    return dtype, tf.TensorShape([d.size for d in proto.tensor_shape.dim])
+
+
+def _feature(name: str, fields: dict) -> str:
+    return f"feature {name!r} ({_field(fields[name])})"
+
+
+def _describe(dtype: str, shape: tf.TensorShape) -> str:
+    return f"{dtype} of shape {tuple(shape.as_list())}"
 
 
 def _bad_record(path: str, index: int, problem: str, error) -> ValueError:

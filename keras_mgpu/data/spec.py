@@ -34,13 +34,15 @@ def read_spec(directory: str) -> dict:
         The spec: `version` (2), `structure`, `features`, `num_examples`,
         `files`, `examples_per_file` and, if recorded, `bytes_per_file`.
         `structure` is the nesting written, as JSON: a feature name
-        (`"f0"`, a leaf), `{"tuple": [...]}` or `{"dict": [[key, ...],
-        ...]}` (keys in order). `features` maps each feature name to its
+        (`"f0"`, a leaf; the leaves are `f0`, `f1`, ... in order),
+        `{"tuple": [...]}` or `{"dict": [[key, ...], ...]}` (keys in
+        order). `features` maps each feature name to its
         `dtype` and per-example `shape`. `files` names the shards, and
         `examples_per_file` and `bytes_per_file` give each one's examples
         and size (a spec written before they were recorded gets the
         examples from the round-robin dealing, and no sizes). A spec that is
-        not a regular file, not valid JSON, lacks what the reader needs, or
+        not a regular file, not valid JSON, lacks what the reader needs,
+        names its leaves in another order (two fields swapped by hand), or
         has another version (version 1, written before nested structures,
         included) is a `ValueError` naming the file.
     """
@@ -95,7 +97,8 @@ def _bad_spec(path: str, problem: str) -> ValueError:
     return ValueError(
         f"The feature spec {path!r} is unusable ({problem}). It is written "
         "by keras_mgpu.data.write_tfrecords together with the shards: "
-        "rewrite them with it (a copy cut short or a hand edit breaks it)."
+        "rewrite them with it (a copy cut short or a hand edit breaks it), "
+        "or restore the spec.json written with them."
     )
 
 
@@ -115,6 +118,14 @@ def _spec_problem(spec: dict) -> Optional[str]:
         return f"'structure' is {structure!r}, which holds no feature"
     if len(set(names)) != len(names):
         return f"'structure' names a feature twice: {names}"
+    if names != [f"f{i}" for i in range(len(names))]:
+        # write_tfrecords numbers the features in the structure's order, and
+        # the records hold them by those names: another order is two fields
+        # swapped by hand, which would otherwise read each other's data.
+        return (f"'structure' holds the features in the order {names}, "
+                "not 'f0', 'f1', ... as write_tfrecords numbers them: two "
+                "fields were swapped or renamed, and would read each "
+                "other's data")
     if not isinstance(features, dict):
         return f"'features' is {features!r}"
     if sorted(features) != sorted(names):

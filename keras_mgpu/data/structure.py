@@ -167,6 +167,18 @@ def _flat_names(structure) -> list:
         "{'dict': [[key, ...], ...]} with distinct keys")
 
 
+def _leaf_paths(structure, path: str = "") -> dict:
+    """Each feature name of a spec's `structure` and its field's path, as
+    `_skeleton` names it (`[0]`, `b.c`; `""` for a single array)."""
+    if isinstance(structure, str):
+        return {structure: path}
+    if "tuple" in structure:
+        return {n: p for i, item in enumerate(structure["tuple"])
+                for n, p in _leaf_paths(item, f"{path}[{i}]").items()}
+    return {n: p for key, value in structure["dict"]
+            for n, p in _leaf_paths(value, _key_path(path, key)).items()}
+
+
 def _spec_children(node) -> Optional[list]:
     """The items of a spec's tuple or dict node; None for anything else."""
     if not isinstance(node, dict) or len(node) != 1:

@@ -212,6 +212,13 @@ class _RuntimeCounters:
             "resumes": [dataclasses.asdict(e) for e in self.resumes],
         }
 
+    @property
+    def skipping(self) -> bool:
+        """Whether a resume still has batches to skip: until they are read,
+        this run's data or batch size may refuse it (a `ValueError` from
+        `fit`)."""
+        return self._skip is not None
+
     def resume(self, state: dict, *, generation: int, epoch: int,
                step_in_epoch: int) -> ResumeEvent:
         """Continues the run saved in `state`: counters restored, and the

@@ -148,15 +148,17 @@ class ResumeSkipping:
 
     @staticmethod
     def _saved_where(skip) -> str:
-        text = "The backup resumed here was saved after "
+        # Epochs counted from 1, as Keras's progress bar counts them.
+        epoch = skip.epoch + 1
+        text = "The backup being resumed was saved after "
         if not skip.saved_batches:
-            return ("The backup resumed here was saved at the start of epoch "
-                    f"{skip.epoch}")
+            return ("The backup being resumed was saved at the start of "
+                    f"epoch {epoch}")
         if skip.samples is None:
-            return text + f"{skip.saved_batches} batches of epoch {skip.epoch}"
+            return text + f"{skip.saved_batches} batches of epoch {epoch}"
         size = skip.samples / skip.saved_batches
         of = f" of {size:g}" if size == int(size) else ""
-        return text + (f"{skip.samples:g} samples of epoch {skip.epoch} "
+        return text + (f"{skip.samples:g} samples of epoch {epoch} "
                        f"({skip.saved_batches} batches{of})")
 
     def _short_data_message(self, skip, what: str) -> str:

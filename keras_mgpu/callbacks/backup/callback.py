@@ -19,6 +19,7 @@ from keras_mgpu import _fs
 from keras_mgpu import compat
 from keras_mgpu import strategy as strategy_lib
 from keras_mgpu._version import __version__
+from keras_mgpu.callbacks._console import print_msg
 from keras_mgpu.callbacks.backup import generation, writer
 from keras_mgpu.callbacks.backup import state as callback_state
 from keras_mgpu.callbacks.backup.compatibility import (fingerprint,
@@ -349,9 +350,11 @@ class BackupAndRestore(RuntimeCallback):
             callback_state.restore(self._fit.siblings,
                                    self._restored.callback_states)
             self._restored.callback_states = None
+        self._announce_resume()
 
     def on_train_batch_end(self, batch, logs=None):
         super().on_train_batch_end(batch, logs)
+        self._announce_resume(mid_epoch=True)
         runtime = self._fit.runtime
         self._refresh_lock()
         if self._write is not None and self._write.done():
@@ -386,6 +389,7 @@ class BackupAndRestore(RuntimeCallback):
 
     def on_epoch_end(self, epoch, logs=None):
         super().on_epoch_end(epoch, logs)
+        self._announce_resume()
         started = self._schedule.due_at_epoch_end(epoch)
         if started is not None:
             self._save(started, 0)
@@ -397,6 +401,7 @@ class BackupAndRestore(RuntimeCallback):
 
     def on_train_end(self, logs=None):
         super().on_train_end(logs)
+        self._announce_resume()  # a fit past the backup's epoch trains none
         self._preemption.fit_ended()
         if not self.delete_checkpoint:
             self._save_pending_epoch_end()
@@ -407,6 +412,23 @@ class BackupAndRestore(RuntimeCallback):
         if (self.delete_checkpoint and self._fit.chief
                 and not self._restored.keep_backups):
             self._fit.store.delete()
+
+    def _announce_resume(self, mid_epoch: bool = False) -> None:
+        """Prints where the run resumed from (the chief), once nothing can
+        refuse the resume any more: the generation's checks passed in
+        `on_train_begin`, the other callbacks took their states when the
+        first epoch began, and the runtime has skipped the batches the
+        interrupted run trained (this run's data or batch size can refuse
+        the resume until then). A refused resume says nothing of resuming."""
+        line = self._restored.announcement
+        if line is None or self._fit.runtime.skipping:
+            return
+        self._restored.announcement = None
+        if mid_epoch and (self.params or {}).get("verbose") in (1, "auto"):
+            # Off the progress bar's unfinished line, as Keras's
+            # ModelCheckpoint starts its lines within an epoch.
+            line = "\n" + line
+        print_msg(line)
 
     def _release_lock(self) -> None:
         atexit.unregister(self._release_lock)

@@ -45,6 +45,10 @@ def parse_state(files: dict) -> dict:
     bad = CorruptGeneration
     try:
         state = json.loads(files[STATE])
+    except RecursionError:
+        # Deeper than a save writes: the walk that names the callback and
+        # key does not recurse.
+        raise bad(callback_state.too_deep_to_decode(files[STATE])) from None
     except ValueError as e:
         raise bad(f"{STATE} is not JSON ({e})") from None
     if not isinstance(state, dict):

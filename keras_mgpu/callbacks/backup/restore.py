@@ -11,7 +11,6 @@ from typing import Optional
 import numpy as np
 
 from keras_mgpu import _fs, compat
-from keras_mgpu.callbacks._console import print_msg
 from keras_mgpu.callbacks.backup import agreement, generation
 from keras_mgpu.callbacks.backup.compatibility import (check_compatible,
                                                       unsaved_variables)
@@ -25,6 +24,10 @@ class Restored:
     callback_states: Optional[list] = None
     # The backup is at or past the last epoch: kept at the end of `fit`.
     keep_backups: bool = False
+    # The chief's line saying where the run resumed from: printed once
+    # nothing can refuse the resume any more, not here (the callbacks'
+    # states and the batches to skip are still to come).
+    announcement: Optional[str] = None
 
 
 def restore_latest(model, fit, backup_dir: str, params: Optional[dict], *,
@@ -73,16 +76,17 @@ def restore_latest(model, fit, backup_dir: str, params: Optional[dict], *,
         for i, variable in enumerate(unsaved_variables(model)):
             variable.assign(extra[f"arr_{i}"])
     epochs = (params or {}).get("epochs")
+    where = _position(state["epoch"], state["step_in_epoch"])
     if epochs is not None and state["epoch"] >= epochs:
         # fit would train nothing, and then delete the only record of
         # the run as if it had finished.
         restored.keep_backups = True
         warnings.warn(
             f"BackupAndRestore: the backup in {backup_dir} "
-            f"(generation {chosen}) is at epoch {state['epoch']}, but "
-            f"fit(epochs={epochs}) ends before it: nothing is trained and "
-            "the backups are kept. Raise epochs to continue that run, or "
-            "use a new backup_dir to start another.",
+            f"(generation {chosen}) is {where}, but fit(epochs={epochs}) "
+            f"ends with epoch {epochs}: nothing is trained and the backups "
+            "are kept. Raise epochs to continue that run, or use a new "
+            "backup_dir to start another.",
             stacklevel=3,
         )
     compat.set_initial_epoch(model, state["epoch"])
@@ -91,14 +95,19 @@ def restore_latest(model, fit, backup_dir: str, params: Optional[dict], *,
                        step_in_epoch=state["step_in_epoch"])
     restored.callback_states = state["callbacks"]
     if fit.chief:
-        # Epochs counted as Keras's progress bar counts them; the step is
-        # the batches of that epoch already trained.
-        print_msg(
+        restored.announcement = (
             f"BackupAndRestore: resumed from backup generation {chosen} "
-            f"at epoch {state['epoch'] + 1}, step "
-            f"{state['step_in_epoch']} ({backup_dir})"
-        )
+            f"{where} ({backup_dir})")
     return restored
+
+
+def _position(epoch: int, step_in_epoch: int) -> str:
+    """Where a generation was saved (`epoch` from 0, as Keras passes it),
+    counted as Keras's progress bar counts: from 1, the step being the
+    batches of that epoch already trained (its bar's `4/8`)."""
+    if step_in_epoch:
+        return f"at epoch {epoch + 1}, step {step_in_epoch}"
+    return f"at the start of epoch {epoch + 1}"
 
 
 def _all_unusable(backup_dir: str, unusable: list,

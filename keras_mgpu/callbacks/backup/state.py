@@ -20,7 +20,10 @@ Its own methods win over a registered class.
 from __future__ import annotations
 
 import io
+import json
+import re
 import warnings
+from functools import partial
 from typing import Any, Callable, Optional
 
 import keras
@@ -31,6 +34,12 @@ ARRAYS_FILE = "callbacks.npz"
 
 # Stands for an array in the JSON part of a state: {"__ndarray__": "a0"}.
 _ARRAY_KEY = "__ndarray__"
+
+# The most levels of dicts and lists inside one another in a callback state,
+# its own dict the first. Saving, checking and reading one back walk every
+# level, and Python's JSON recurses once per level: a deeper state (or one
+# that contains itself) would end in a RecursionError naming nothing.
+MAX_STATE_DEPTH = 100
 
 _registry = {}
 
@@ -48,8 +57,11 @@ def register_callback_state(
     Registering a class again replaces its functions.
 
     The state is a dict of JSON values (`None`, bool, int, float, str,
-    lists, dicts with string keys) and NumPy arrays and scalars, nested at
-    will; tuples come back as lists. Arrays and NumPy scalars are not put
+    lists, dicts with string keys) and NumPy arrays and scalars, nested up
+    to `MAX_STATE_DEPTH` (100) levels of dicts and lists, the state's own
+    dict the first; tuples come back as lists. A deeper state, or one that
+    contains itself, is refused when the backup saves, naming the callback
+    and the key. Arrays and NumPy scalars are not put
     through JSON: they go, bit for bit and with their dtype, into a file of
     the generation (`callbacks.npz`), checksummed like the weights. A state
     is copied when the backup saves, so `get_state` may return the
@@ -165,7 +177,7 @@ def snapshot(callbacks) -> tuple:
             raise TypeError(
                 f"{where} must return a dict, got {type(state).__name__}.")
         entries.append({"class": name,
-                        "state": _encode(state, arrays, where)})
+                        "state": _encode(state, arrays, name, [], {})})
     if not arrays:
         return entries, None
     buffer = io.BytesIO()
@@ -175,11 +187,34 @@ def snapshot(callbacks) -> tuple:
     return entries, buffer.getvalue()
 
 
-def _encode(value, arrays: dict, where: str):
+def _encode(value, arrays: dict, name: str, keys: list, enclosing: dict):
+    """`value`, found at `keys` in the state of the callback class `name`,
+    as saved. `enclosing`: the id of each dict and list that holds it, and
+    how many keys lead to it."""
+    # Where the value is, in messages: formatted only for one.
+    where = partial(_where, name, keys)
+    if isinstance(value, (dict, list, tuple)):
+        if id(value) in enclosing:
+            inside = _where(name, keys[:enclosing[id(value)]])
+            raise ValueError(
+                f"{where()} is {inside} itself, which contains it: a "
+                "callback state that contains itself cannot be saved (it is "
+                "saved as JSON, a tree). Have get_state() return a copy "
+                "without the reference, e.g. an index or key in its place."
+            )
+        if len(keys) >= MAX_STATE_DEPTH:
+            raise ValueError(
+                f"{where()} is nested more than {MAX_STATE_DEPTH} levels "
+                "deep (dicts and lists inside one another, the state's own "
+                "dict the first), the most BackupAndRestore saves. Have "
+                f"{name}.get_state() return it flatter, e.g. a dict of "
+                "arrays, or a NumPy array for a table."
+            )
+        enclosing = {**enclosing, id(value): len(keys)}
     if isinstance(value, (np.ndarray, np.generic)):
         if value.dtype.hasobject:
             raise TypeError(
-                f"{where} holds a NumPy array of Python objects, which "
+                f"{where()} holds a NumPy array of Python objects, which "
                 "BackupAndRestore does not save (it would need pickle). Use "
                 "arrays of numbers, or JSON values.")
         # "s": a scalar (`get_weights` gives one for a 0-d variable), read
@@ -190,33 +225,50 @@ def _encode(value, arrays: dict, where: str):
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, (list, tuple)):
-        return [_encode(v, arrays, f"{where}[{i}]")
+        return [_encode(v, arrays, name, keys + [i], enclosing)
                 for i, v in enumerate(value)]
     if isinstance(value, dict):
         encoded = {}
         for key, v in value.items():
             if not isinstance(key, str):
                 raise TypeError(
-                    f"{where} has the key {key!r}: the keys of a callback "
+                    f"{where()} has the key {key!r}: the keys of a callback "
                     "state must be strings (it is saved as JSON).")
             if key == _ARRAY_KEY:
                 raise ValueError(
-                    f"{where} has the key {_ARRAY_KEY!r}, which "
+                    f"{where()} has the key {_ARRAY_KEY!r}, which "
                     "BackupAndRestore reserves for the arrays of a state. "
                     "Rename it.")
-            encoded[key] = _encode(v, arrays, f"{where}[{key!r}]")
+            encoded[key] = _encode(v, arrays, name, keys + [key], enclosing)
         return encoded
     raise TypeError(
-        f"{where} is of type {type(value).__name__} ({value!r:.80}), which "
+        f"{where()} is of type {type(value).__name__} ({value!r:.80}), which "
         "BackupAndRestore cannot save. A callback state holds JSON values "
         "(None, bool, int, float, str, lists, dicts with string keys) and "
         "NumPy arrays.")
 
 
+def _where(name: str, keys: list) -> str:
+    """Where `keys` lead in the state of the callback class `name`, e.g.
+    `EarlyStopping.get_state()['best_weights'][0]`; the middle of a long
+    path left out."""
+    steps = [f"[{k!r}]" for k in keys]
+    if len(steps) > 8:
+        steps = steps[:4] + ["..."] + steps[-2:] + [f" ({len(keys)} keys)"]
+    return f"{name}.get_state(){''.join(steps)}"
+
+
+def _too_deep_saved(name: str, keys: list) -> str:
+    return (f"the saved {_where(name, keys)} is nested more than "
+            f"{MAX_STATE_DEPTH} levels deep, which BackupAndRestore never "
+            "saves: the generation's state.json was changed after the save")
+
+
 def decode(entries: list, arrays_file: Optional[bytes]) -> list:
     """`entries` as saved by `snapshot`, their arrays read back from
-    `arrays_file`. Raises ValueError naming an array that is missing (the
-    backup takes that as its generation's fault)."""
+    `arrays_file`. Raises ValueError naming an array that is missing, or a
+    state nested deeper than a save writes, with its callback and key (the
+    backup takes either as its generation's fault)."""
     arrays = {}
     if arrays_file is not None:
         with np.load(io.BytesIO(arrays_file), allow_pickle=False) as loaded:
@@ -226,11 +278,13 @@ def decode(entries: list, arrays_file: Optional[bytes]) -> list:
         # "values": the key of backups written before get_state/set_state.
         state = entry["state"] if "state" in entry else entry["values"]
         decoded.append({"class": entry["class"],
-                        "state": _decode(state, arrays)})
+                        "state": _decode(state, arrays, entry["class"], [])})
     return decoded
 
 
-def _decode(value, arrays: dict):
+def _decode(value, arrays: dict, name: str, keys: list):
+    if isinstance(value, (dict, list)) and len(keys) >= MAX_STATE_DEPTH:
+        raise ValueError(_too_deep_saved(name, keys))
     if isinstance(value, dict):
         if set(value) == {_ARRAY_KEY}:
             key = value[_ARRAY_KEY]
@@ -238,10 +292,73 @@ def _decode(value, arrays: dict):
                 raise ValueError(f"a callback state's array {key!r} is not "
                                  f"in its {ARRAYS_FILE}")
             return arrays[key][()] if key.startswith("s") else arrays[key]
-        return {k: _decode(v, arrays) for k, v in value.items()}
+        return {k: _decode(v, arrays, name, keys + [k])
+                for k, v in value.items()}
     if isinstance(value, list):
-        return [_decode(v, arrays) for v in value]
+        return [_decode(v, arrays, name, keys + [i])
+                for i, v in enumerate(value)]
     return value
+
+
+# A JSON string, or one of the characters that open, close and separate.
+_JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|[][{},:]')
+
+
+def too_deep_to_decode(raw: bytes) -> str:
+    """Why a generation's state.json that Python's JSON decoder gave up on
+    (`RecursionError`) is unusable: the callback and key where its state
+    nests deeper than a save writes, found by a walk of the text that does
+    not recurse; or the keys to the first level that deep elsewhere."""
+    # The state.json object, its "callbacks" list and an entry hold each
+    # callback state's dict.
+    above = 3
+    keys, classes = _first_too_deep(raw.decode("utf-8", "replace"),
+                                    above + MAX_STATE_DEPTH)
+    if keys is None:
+        return "state.json is nested too deep to decode"
+    if (len(keys) > above and keys[0] == "callbacks"
+            and keys[2] in ("state", "values")
+            and isinstance(classes[2], str)):
+        return _too_deep_saved(classes[2], keys[above:])
+    return (f"state.json is nested more than {above + MAX_STATE_DEPTH} "
+            f"levels deep, at {''.join(f'[{k!r}]' for k in keys[:8])}"
+            f"{'...' if len(keys) > 8 else ''}, which a save never writes")
+
+
+def _first_too_deep(text: str, limit: int) -> tuple:
+    """(the keys to the first dict or list of the JSON `text` nested more
+    than `limit` levels deep, the `"class"` string of each dict on the way)
+    or (None, None)."""
+    # Per open dict or list: [is a dict, its current key or index, the
+    # string value of its "class" key].
+    open_ = []
+    want_key = False
+    for match in _JSON_TOKEN.finditer(text):
+        token = match.group()
+        top = open_[-1] if open_ else None
+        if token[0] == '"':
+            if top is not None and top[0]:
+                string = json.loads(token)
+                if want_key:
+                    top[1], want_key = string, False
+                elif top[1] == "class":
+                    top[2] = string
+        elif token in "[{":
+            if len(open_) >= limit:
+                return [o[1] for o in open_], [o[2] for o in open_]
+            open_.append([token == "{", None if token == "{" else 0, None])
+            want_key = token == "{"
+        elif token in "]}":
+            if top is None:
+                break  # not JSON: nothing deeper to find
+            open_.pop()
+            want_key = False
+        elif token == "," and top is not None:
+            if top[0]:
+                want_key = True
+            else:
+                top[1] += 1
+    return None, None
 
 
 def restore(callbacks, entries: list) -> None:
