@@ -727,8 +727,9 @@ def test_the_models_summaries_follow_the_logger_the_step_was_traced_with(
 def test_the_input_bound_label_comes_from_the_number_shown_beside_it():
     from keras_mgpu.callbacks.telemetry import workers as telemetry_workers
 
-    # Two workers waiting 6.2% and 25% of their steps: 15.6% on average.
-    rows = np.array([[0.010, 100.0, 0.062], [0.012, 90.0, 0.25]])
+    # Two workers waiting 6.2% and 25% of their steps: 15.6% on average
+    # (ready batches would cost them nothing).
+    rows = np.array([[0.010, 100.0, 0.062, 0.0], [0.012, 90.0, 0.25, 0.0]])
     record = telemetry_workers._across_workers(rows)
     assert record["input_wait"] == pytest.approx(0.156)
     # Not "highly" (above 20%), which only the second worker is.

@@ -19,7 +19,7 @@ the rest of keras-mgpu reaches it only through these names:
   backend hooks: `_check_support()`, `_new_input_wait()`, `_sync_state()`,
   `_next_batch(iterator)`, `_batch_samples(element)`,
   `read_device(read, cached, key, compiled)`, `host_array(value)`,
-  `local_gpus()`, `gpu_memory(num_gpus, reset)`.
+  `local_gpus()`, `gpu_memory(num_gpus, reset)`, `ready_fetch_seconds()`.
 
 `tensorflow/` serves `tf.distribute`, `jax/` `keras.distribution`; another
 backend is a package next to them providing the same names, and its entry

@@ -8,6 +8,7 @@ skipping (`keras_mgpu/runtime/skipping.py`).
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Optional
 
 import keras
@@ -175,6 +176,22 @@ class TrainFunctionWrapper:
                                        autograph=False).get_concrete_function())
         return cached, cached[1]()
 
+    def ready_fetch_seconds(self) -> float:
+        """Seconds a timed fetch takes when its batch is already there: the
+        fixed cost under any pipeline's input wait (what `keras-mgpu bench`
+        measures in a whole `fit`).
+
+        The median of a few fetches of an always-ready batch through the
+        model's strategy, each bracketed by timestamps as the timed train
+        step brackets its fetches; measured once per strategy (a fraction
+        of a second, most of it tracing).
+        """
+        strategy = self.model.distribute_strategy
+        seconds = _READY_FETCH.get(strategy)
+        if seconds is None:
+            seconds = _READY_FETCH[strategy] = _time_ready_fetches(strategy)
+        return seconds
+
     @staticmethod
     def local_gpus() -> int:
         """This process's GPUs."""
@@ -202,3 +219,33 @@ class TrainFunctionWrapper:
 
 def _tensor(value):
     return tf.identity(keras.ops.convert_to_tensor(value))
+
+
+_READY_FETCH = weakref.WeakKeyDictionary()  # strategy: seconds
+_READY_SAMPLES = 16
+
+
+def _time_ready_fetches(strategy) -> float:
+    # One tiny batch (a row per replica), repeated and prefetched: every
+    # fetch finds it there. Not sharded, so no worker waits for another.
+    rows = np.zeros((strategy.num_replicas_in_sync, 1), np.float32)
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = (
+        tf.data.experimental.AutoShardPolicy.OFF)
+    dataset = (tf.data.Dataset.from_tensors((rows, rows)).repeat()
+               .prefetch(2).with_options(options))
+    iterator = iter(strategy.experimental_distribute_dataset(dataset))
+
+    @tf.function(autograph=False)
+    def timed_fetch(iterator):
+        start = tf.timestamp()
+        with tf.control_dependencies([start]):
+            element = iterator.get_next()
+        outputs = [t for t in tf.nest.flatten(element, expand_composites=True)
+                   if isinstance(t, tf.Tensor)]
+        with tf.control_dependencies(outputs):
+            return tf.timestamp() - start
+
+    timed_fetch(iterator)  # traced, and the pipeline started
+    return float(np.median([timed_fetch(iterator).numpy()
+                            for _ in range(_READY_SAMPLES)]))

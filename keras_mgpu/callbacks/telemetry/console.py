@@ -1,7 +1,7 @@
 """The logger's epoch lines on the console, after Keras's progress bar."""
 
 from keras_mgpu.callbacks._console import print_msg
-from keras_mgpu.callbacks.telemetry.records import input_wait_summary
+from keras_mgpu.callbacks.telemetry.records import _summary
 
 
 class _EpochLines:
@@ -60,7 +60,8 @@ def _console_line(record: dict) -> str:
         f"step {1000 * record['step_time_mean']:.1f} ms mean, "
         f"{1000 * record['step_time_max']:.1f} ms max,"
     )
-    parts.append(f"input wait {input_wait_summary(record['input_wait'])}")
+    parts.append(
+        f"input wait {_summary(record['input_wait'], record['input_bound'])}")
     if record["workers"] > 1:
         parts.append(f"(slowest worker {record['slowest_worker']})")
     return " ".join(parts)

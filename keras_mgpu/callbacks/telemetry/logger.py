@@ -42,9 +42,14 @@ class DistributedLogger(RuntimeCallback):
       on (steps skipped for overflow still count as work);
     - step time: mean (window wall time / steps) and max;
     - input wait: the share of the record's wall time the train steps spent
-      blocked fetching their batches, flagged (`input_bound`) above 5%
-      ("moderately") and 20% ("highly"), the thresholds of xprof's
-      input-pipeline analysis;
+      blocked fetching their batches, flagged (`input_bound`) where it
+      exceeds what fetching the same batches costs when each is already
+      there by 5% ("moderately") or 20% ("highly"), the thresholds of
+      xprof's input-pipeline analysis. That fixed cost is measured as a
+      `fit` begins, once per strategy (`keras-mgpu bench` measures it in
+      a whole `fit`): on a step of a few milliseconds it alone is a large
+      share, with in-memory arrays too, and says the step is short, not
+      that the pipeline is slow;
     - learning rate (through `LossScaleOptimizer` and schedules), loss scale
       and skipped steps under `mixed_float16`, current and peak memory per
       local GPU (peak reset every record; on JAX, JAX's allocator's
@@ -107,11 +112,18 @@ class DistributedLogger(RuntimeCallback):
     same files, and a torn last line (a process killed mid-write) is
     closed off by the next run.
 
-    One writer per `log_dir`: while a logger's `fit` runs, another logger's
-    `fit` on the same `log_dir` raises `LogDirInUse` before training (in
-    this process, or in another one on this machine for a local
-    `log_dir`), rather than interleave their records. One after the other
-    is fine: a resumed run continues the file.
+    One writer per `log_dir`: while a logger's run writes a `log_dir` (its
+    `fit`, or a hand-written loop from `on_train_begin` to `on_train_end`),
+    any other logger's run there raises `LogDirInUse` before training,
+    naming the run that writes it: another logger in the same callbacks, a
+    `fit` started from a callback of that run (a tuner), another thread,
+    or another process on this machine (for a local `log_dir`, however it
+    is spelled: relative, through a link, as a `file://` URL). So does the
+    same logger in a second `fit` while its first runs. One after the
+    other is fine: a resumed run continues the file. A `fit` that raised
+    frees its `log_dir` as it unwinds; a hand-written loop that raised
+    holds it until its logger is dropped, so end it in a `finally`. Other
+    workers than the chief write nothing and claim nothing.
 
     Records are stamped with the run's global step, kept by the training
     runtime this callback shares with `BackupAndRestore` and
@@ -147,9 +159,11 @@ class DistributedLogger(RuntimeCallback):
     devices) before it dispatches the step, so each fetch is timed with a
     host clock instead, `run_eagerly=True` included; JAX dispatches
     asynchronously, so the devices may still be busy with the previous
-    step meanwhile. A multi-worker record gives the mean
-    over workers, flagged (`input_bound`) from that mean; each worker's is
-    in `worker_input_wait`.
+    step meanwhile, and Keras's iterator prepares the next batch inside
+    each fetch: on JAX only the timing's own cost is a ready fetch's. A
+    multi-worker record gives the mean over workers, flagged
+    (`input_bound`) from that mean less the workers' mean ready-fetch
+    cost; each worker's is in `worker_input_wait`.
 
     On JAX, Keras keeps the train state out of the model's variables
     during an epoch; the logger puts it back (`model.jax_state_sync()`)
@@ -236,6 +250,7 @@ class DistributedLogger(RuntimeCallback):
         self._lines = _EpochLines()
         self._progress = _Progress()
         self._hand_loop = _HandLoop()
+        self._run = None  # (model, params) of the run writing, on the chief
 
     def __deepcopy__(self, memo):
         # A copy (KerasTuner copies callbacks for every trial) is a new
@@ -260,6 +275,24 @@ class DistributedLogger(RuntimeCallback):
 
     def on_train_begin(self, logs=None):
         compat.check_summary_support()
+        if strategy_lib.is_chief():
+            # First: a refused logger changes nothing, not even the runtime
+            # it shares with the run that holds the log_dir. Before the
+            # outputs are opened: opening closes off a torn line, which must
+            # not happen under a live writer.
+            try:
+                claims._claim_log_dir(
+                    self, compat.running_fit(self._trained_model))
+            except claims.LogDirInUse:
+                if self._run is not None and claims._writing(self):
+                    # This logger's own run goes on (it is in two fits at
+                    # once): Keras gave it the refused fit's model and
+                    # params as that fit made its callback list.
+                    model, params = self._run
+                    self.set_model(model)
+                    self.set_params(params)
+                raise
+            self._run = (self._trained_model, self.params)
         super().on_train_begin(logs)
         runtime = self.runtime
         # `fit` reads Keras's compiled step; a hand-written loop (driving a
@@ -279,7 +312,10 @@ class DistributedLogger(RuntimeCallback):
             chief=strategy_lib.is_chief(),
             num_gpus=runtime.local_gpus(),
             freq=(float("inf") if self.update_freq == "epoch"
-                  else self.update_freq))
+                  else self.update_freq),
+            # Before the first batch: outside every record's time.
+            ready_fetch=(None if self._hand_loop.active
+                         else runtime.ready_fetch_seconds()))
         self._progress.in_epoch = False
         self._progress.last = None
         runtime.gpu_memory(fit.num_gpus, reset=True)
@@ -288,10 +324,6 @@ class DistributedLogger(RuntimeCallback):
         # take this fit's records after the ones it wrote.
         self._profiler.stop()
         self._summaries.leave()
-        if fit.chief:
-            # Before the outputs are opened: opening closes off a torn line,
-            # which must not happen under a live writer.
-            claims._claim_log_dir(self)
         if fit.chief and self._sinks is None:
             self._sinks = Sinks(self.log_dir, self.wandb_config)
             if self.wandb_config is None:
@@ -418,6 +450,7 @@ class DistributedLogger(RuntimeCallback):
                 self._close_sinks()
         finally:
             claims._release_log_dir(self)
+            self._run = None
 
     # --- Records -------------------------------------------------------------
 
@@ -480,7 +513,8 @@ class DistributedLogger(RuntimeCallback):
                                  keras.optimizers.LossScaleOptimizer)
         measured = [_measure(span, state, end, batch_size=self.batch_size,
                              hand_loop=self._hand_loop.active,
-                             replicas=fit.replicas, loss_scaled=loss_scaled)
+                             replicas=fit.replicas, loss_scaled=loss_scaled,
+                             ready_fetch=fit.ready_fetch)
                     for span in spans]
         _spread_over_workers(fit.strategy, fit.workers, measured)
         common = {

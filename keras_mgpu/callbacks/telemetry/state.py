@@ -21,6 +21,9 @@ class _Fit:
     chief: bool
     num_gpus: int
     freq: float  # batches per window (inf: epoch records only)
+    # Seconds a timed fetch of a batch already there takes (None: a
+    # hand-written loop, whose input is not timed).
+    ready_fetch: Optional[float] = None
     reader_checked: bool = False  # the reader compared with the model
 
 

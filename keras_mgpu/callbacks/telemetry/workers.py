@@ -9,16 +9,22 @@ from keras_mgpu import backend
 from keras_mgpu.callbacks.telemetry.records import _input_bound
 
 
+_ROW = ("step_time_mean", "examples_per_sec", "input_wait",
+        "input_wait_ready")
+
+
 def _worker_row(measured: dict) -> np.ndarray:
     return np.array(
-        [np.nan if measured[key] is None else measured[key]
-         for key in ("step_time_mean", "examples_per_sec", "input_wait")],
+        [np.nan if measured.get(key) is None else measured[key]
+         for key in _ROW],
         dtype=np.float64,
     )
 
 
 def _across_workers(rows: np.ndarray) -> dict:
-    step_time, per_sec, waited = rows[:, 0], rows[:, 1], rows[:, 2]
+    """The cross-worker figures of a record from each worker's row (the
+    columns of `_ROW`)."""
+    step_time, per_sec, waited, ready = rows.T
 
     def spread(values):
         if np.isnan(values).any():
@@ -35,11 +41,13 @@ def _across_workers(rows: np.ndarray) -> dict:
         "input_wait": (
             None if np.isnan(waited).any() else float(waited.mean())
         ),
-        # From the mean, the figure reported beside it: one rule for every
-        # record. The most input-bound worker is in worker_input_wait.
+        # From the mean, the figure reported beside it, less the mean cost
+        # of fetching ready batches: one rule for every record. The most
+        # input-bound worker is in worker_input_wait.
         "input_bound": (
             None if np.isnan(waited).any() else _input_bound(
-                float(waited.mean()))
+                float(waited.mean()),
+                None if np.isnan(ready).any() else float(ready.mean()))
         ),
         "slowest_worker": int(np.argmax(step_time)),
     }
