@@ -7,7 +7,9 @@ parts are tested on CPU-only machines with recorded `nvidia-smi` output:
 - `nvidia_smi_runner(args) -> str | None`: runs `nvidia-smi` with `args` and
   returns its stdout, or `None` when nvidia-smi is missing or fails;
 - `tf_devices`: the devices TensorFlow sees, as dicts (see `tf_devices()`);
-- `env`: the environment (`TF_CONFIG`, `CUDA_VISIBLE_DEVICES`, ...).
+- `env`: the environment (`TF_CONFIG`, `CUDA_VISIBLE_DEVICES`, ...);
+- `jax_devices`: on Keras's JAX backend, the devices JAX sees, named as
+  `keras.distribution.list_devices()` names them.
 
 JSON schema (`keras-mgpu doctor --json`), schema id `keras-mgpu-doctor/1`:
 
@@ -30,7 +32,11 @@ JSON schema (`keras-mgpu doctor --json`), schema id `keras-mgpu-doctor/1`:
                  "num_workers": int, "task_type": str|null,
                  "task_index": int, "worker_index": int, "is_chief": bool,
                  "cluster": {task_type: [address]}},
-     "strategy": {"kind": str|null, "description": str},
+     "strategy": {"kind": str|null,   # auto_strategy()'s pick: TensorFlow's
+                                      # strategy_kind(), or "data_parallel"
+                                      # (keras.distribution, on JAX)
+                  "description": str,
+                  "processes": int},  # the processes it trains in
      "mixed_precision": {"policy": str, "reason": str},
      "findings": [{"level": "error"|"warning"|"info", "code": str,
                    "message": str, "advice": str}]}
@@ -43,6 +49,7 @@ import os
 import platform
 from typing import Any, Mapping, Optional, Sequence
 
+from keras_mgpu import backend
 from keras_mgpu import mixed_precision
 from keras_mgpu import strategy as strategy_lib
 # Running and parsing nvidia-smi has its own module; `_doctor.<name>` keeps
@@ -138,7 +145,7 @@ def _finding(level: str, code: str, message: str, advice: str = "") -> dict:
 
 
 def _strategy_description(kind: Optional[str], num_gpus: int,
-                          num_workers: int) -> str:
+                          num_workers: int, source: Optional[str]) -> str:
     return {
         "multi_worker": f"MultiWorkerMirroredStrategy over {num_workers} "
                         "workers (each mirroring over its local GPUs)",
@@ -147,7 +154,24 @@ def _strategy_description(kind: Optional[str], num_gpus: int,
         "one_device": "OneDeviceStrategy",
         "default": "the default strategy (one device: "
                    + ("GPU:0)" if num_gpus else "the CPU)"),
-    }.get(kind, "none: fix TF_CONFIG first")
+    }.get(kind, f"none: fix {_source_name(source)} first")
+
+
+def _source_name(source: Optional[str]) -> str:
+    return "the SLURM step's variables" if source == "SLURM step" else (
+        "TF_CONFIG")
+
+
+def _data_parallel_description(processes, devices: Sequence[str]) -> str:
+    """What `auto_strategy()` sets on Keras's JAX backend."""
+    here = (f"{len(devices)} device(s)"
+            + (f" ({', '.join(devices)})" if len(devices) <= 8 else ""))
+    if processes.count == 1:
+        return f"keras.distribution.DataParallel over {here}, 1 process"
+    return (f"keras.distribution.DataParallel over the devices of "
+            f"{processes.count} JAX processes (jax.distributed, coordinator "
+            f"{processes.coordinator}; this is process "
+            f"{processes.process_id}, with {here})")
 
 
 def collect(
@@ -156,8 +180,13 @@ def collect(
     devices: Optional[Sequence[Mapping[str, Any]]] = None,
     env: Optional[Mapping[str, str]] = None,
     need: Sequence[str] = (),
+    jax_devices: Optional[Sequence[str]] = None,
 ) -> dict[str, Any]:
     """Collects the doctor's report. Creates no strategy and runs no TF op.
+
+    On Keras's JAX backend it lists JAX's devices (unless given), which
+    starts JAX: a program that joins a cluster afterwards
+    (`auto_strategy()`) cannot. Run `keras-mgpu doctor` on its own.
 
     Args:
         nvidia_smi_runner: Defaults to `None`, which runs the real
@@ -170,6 +199,9 @@ def collect(
         need: Defaults to `()`. Features (`"tuner"`, `"profile"`, `"wandb"`)
             the user needs: a missing package for one is an error, for the
             others it is only information.
+        jax_devices: Defaults to `None`, `keras.distribution.list_devices()`
+            on Keras's JAX backend. Device names such as `"gpu:0"`;
+            ignored on TensorFlow.
 
     Returns:
         The report, a JSON-ready dict (schema in the module docstring).
@@ -186,6 +218,9 @@ def collect(
     import tensorflow as tf
 
     runner = run_nvidia_smi if nvidia_smi_runner is None else nvidia_smi_runner
+    on_jax = keras.backend.backend() == "jax"
+    if on_jax and jax_devices is None:
+        jax_devices = keras.distribution.list_devices()
     env = os.environ if env is None else env
     devices = [dict(d) for d in (tf_devices() if devices is None else devices)]
     unknown = sorted(set(need) - set(FEATURES))
@@ -239,7 +274,7 @@ def collect(
     # from where it reads it: TF_CONFIG, else an `srun` step's variables.
     tf_config = env.get("TF_CONFIG", "")
     source = "TF_CONFIG" if tf_config.strip() else None
-    kind, info, error = None, None, None
+    kind, info, error, processes = None, None, None, None
     try:
         task = cluster_task(env)
     except ValueError as e:
@@ -271,22 +306,54 @@ def collect(
                        task_index=info.task_index,
                        worker_index=info.worker_index, is_chief=info.is_chief,
                        cluster={k: list(v) for k, v in info.cluster.items()})
-        kind = strategy_lib.strategy_kind(info, len(tf_gpus), None, None)
+        if on_jax:
+            try:
+                processes = backend.distribution().processes_of(
+                    info, "TF_CONFIG" if source == "TF_CONFIG"
+                    else "the SLURM step")
+            except ValueError as e:
+                findings.append(_finding(
+                    "error", "jax_task_unsupported", str(e),
+                    "auto_strategy() raises this same error."))
+            else:
+                kind = "data_parallel"
+        else:
+            kind = strategy_lib.strategy_kind(info, len(tf_gpus), None, None)
         if cluster["tf_config_set"] and info.num_workers == 1:
             findings.append(_finding(
                 "info", "tf_config_single_worker",
                 "TF_CONFIG is set but names a single training worker, so "
                 "auto_strategy() ignores it and trains locally.",
                 "Unset TF_CONFIG, or list every worker in cluster.worker."))
-    strategy = {"kind": kind,
-                "description": _strategy_description(
-                    kind, len(tf_gpus), cluster["num_workers"])}
+    if kind == "data_parallel":
+        strategy = {"kind": kind,
+                    "description": _data_parallel_description(
+                        processes, list(jax_devices)),
+                    "processes": processes.count}
+    else:
+        strategy = {"kind": kind,
+                    "description": _strategy_description(
+                        kind, len(tf_gpus), cluster["num_workers"], source),
+                    "processes": (cluster["num_workers"]
+                                  if kind == "multi_worker" else 1)}
 
     ccs = [tuple(g["compute_capability"]) if g["compute_capability"] else None
            for g in gpus if g["visible_to_tensorflow"]]
     policy, reason = mixed_precision.choose_policy(ccs)
 
     # Findings.
+    # On JAX, JAX's devices train; TensorFlow's still feed tf.data.
+    jax_accelerators = [d for d in jax_devices or ()
+                        if not d.startswith("cpu:")]
+    if on_jax and smi_gpus and not jax_accelerators:
+        findings.append(_finding(
+            "warning", "gpus_invisible_to_jax",
+            f"nvidia-smi lists {len(smi_gpus)} GPU(s) but JAX sees none "
+            f"(only {', '.join(jax_devices)})"
+            + (f"; CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']!r}"
+               if "CUDA_VISIBLE_DEVICES" in env else "") + ".",
+            "Install JAX with CUDA (`pip install 'jax[cuda12]'`) and check "
+            "CUDA_VISIBLE_DEVICES and the driver version."))
     if not tf_gpus:
         if smi_gpus:
             findings.append(_finding(
@@ -299,15 +366,21 @@ def collect(
                 "Install TensorFlow with CUDA (`pip install "
                 "'tensorflow[and-cuda]'`) and check CUDA_VISIBLE_DEVICES and "
                 "the driver version."))
-        else:
+        elif not jax_accelerators:
             findings.append(_finding(
                 "info", "no_gpu",
-                "No GPU visible: training runs on the CPU, one replica.",
+                "No GPU visible: training runs on the CPU, "
+                + (f"{len(jax_devices)} replica(s), one per CPU device JAX "
+                   "sees." if on_jax else "one replica."),
                 "To exercise multi-replica code without GPUs, split the CPU "
                 "into logical devices: keras_mgpu.auto_strategy("
-                "virtual_cpus=N) gives a real MirroredStrategy over N logical "
-                "CPUs (call it first in the program, before any TF op). It "
-                "shows the mechanics, not GPU speed."))
+                + ("virtual_cpus=N) gives a real DataParallel over N CPU "
+                   "devices (call it first in the program, before any JAX "
+                   "computation)" if on_jax else
+                   "virtual_cpus=N) gives a real MirroredStrategy over N "
+                   "logical CPUs (call it first in the program, before any "
+                   "TF op)")
+                + ". It shows the mechanics, not GPU speed."))
     if interconnect and len(interconnect["gpus"]) >= 4 and (
         interconnect["kind"] == "pcie"
     ):
@@ -317,11 +390,13 @@ def collect(
             f"{', '.join(interconnect['pcie_links'])}; no NVLink): NCCL's "
             "ring all-reduce is bound by the slowest PCIe/SMP hop, so scaling "
             "will suffer for large models.",
-            "Prefer NVLink machines for many GPUs, or use hierarchical "
-            "all-reduce: keras_mgpu.auto_strategy(cross_device_ops="
-            "tf.distribute.HierarchicalCopyAllReduce()); benchmark both with "
-            "`keras-mgpu bench`. Gradient accumulation "
-            "(GradientAccumulationModel) also cuts all-reduces."))
+            "Prefer NVLink machines for many GPUs"
+            + (" (on JAX, XLA chooses the all-reduce)." if on_jax else
+               ", or use hierarchical all-reduce: keras_mgpu.auto_strategy("
+               "cross_device_ops=tf.distribute.HierarchicalCopyAllReduce()); "
+               "benchmark both with `keras-mgpu bench`.")
+            + " Gradient accumulation (GradientAccumulationModel) also cuts "
+            "all-reduces."))
     elif interconnect and interconnect["kind"] == "mixed":
         findings.append(_finding(
             "info", "nvlink_partial",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import keras
 import tensorflow as tf
@@ -170,8 +170,10 @@ def auto_strategy(
     devices: Optional[Sequence[str]] = None,
     cross_device_ops: Any = None,
     startup_timeout: Optional[float] = 300.0,
-) -> tf.distribute.Strategy:
-    """Picks the `tf.distribute.Strategy` that fits this process.
+) -> Union[tf.distribute.Strategy, keras.distribution.DataParallel]:
+    """Picks the distribution that fits this process, on either backend.
+
+    On Keras's TensorFlow backend it builds a `tf.distribute.Strategy`:
 
     | situation | strategy |
     |---|---|
@@ -195,41 +197,92 @@ def auto_strategy(
     (`keras_mgpu.slurm`) and set as this process's `TF_CONFIG`; where the
     tasks on a node see the same GPUs, each takes an equal share of them.
 
+    On Keras's JAX backend it sets (`keras.distribution.set_distribution`)
+    and returns a `keras.distribution.DataParallel`:
+
+    | situation | distribution |
+    |---|---|
+    | `TF_CONFIG` names more than one worker | over every device of one JAX process per worker |
+    | no `TF_CONFIG`, a task of an `srun` step of 2 or more | over every device of one JAX process per task |
+    | `virtual_cpus=N` | over N CPU devices |
+    | `devices=[...]` | over them |
+    | otherwise | over every local device |
+
+    A cluster is joined with `jax.distributed.initialize()`, worker 0's
+    address serving as the coordinator, each worker's rank (chief first)
+    as its process id; where this process joined one already (its own
+    `jax.distributed.initialize()` or `keras.distribution.initialize()`),
+    the cluster must be the same. Processes that do not share a random
+    seed (`keras.utils.set_random_seed`) agree on one, so that they
+    initialize the replicated weights alike. In a cluster, each process
+    feeds its own part of every global batch: `fit` on NumPy arrays takes
+    this process's rows and `batch_size` per process; a `tf.data.Dataset`
+    is split among the processes by Keras. The distribution is in effect
+    at once (its `scope()`, where code enters it, changes nothing), and
+    keras-mgpu's facts (`num_replicas`, `is_chief`, `worker_index`,
+    `num_workers`), callbacks and `GradientAccumulationModel` read it.
+    Call it first in the program: JAX joins a cluster, and splits its CPU,
+    only before its first computation.
+
     Args:
         virtual_cpus: Defaults to `None`. If set, split the host CPU into this
             many logical devices and mirror over them: real multi-replica
             training without GPUs, for trying and testing.
+            On JAX, a `DataParallel` over that many CPU devices
+            (`jax_num_cpu_devices`).
         devices: Defaults to `None`. Device names to mirror over, each a
             device TensorFlow sees in this process (`ValueError` naming
-            the missing ones and those that exist otherwise).
+            the missing ones and those that exist otherwise). On JAX,
+            devices of this process as `keras.distribution.list_devices()`
+            names them (`"gpu:0"`), or in TensorFlow's spelling
+            (`"/gpu:0"`).
         cross_device_ops: Defaults to `None` (NCCL on GPUs, TensorFlow's choice
             otherwise). A `tf.distribute.CrossDeviceOps` for a mirrored
             strategy, e.g. `tf.distribute.HierarchicalCopyAllReduce()` on
             servers without NVLink; or a
             `tf.distribute.experimental.CommunicationOptions` for a
-            multi-worker one.
+            multi-worker one. On JAX, where XLA chooses the all-reduce,
+            anything but `None` is a `ValueError`.
         startup_timeout: Defaults to 300 seconds. How long a worker of a
             multi-worker cluster waits for every other worker to connect
             (TensorFlow alone waits forever, silently). When it runs out,
             a `RuntimeError` names the workers that never connected
             (nothing listening at their `TF_CONFIG` address). `None` waits
             without limit, as TensorFlow does. Ignored without a cluster.
+            On JAX, how long a process waits for the coordinator (worker
+            0) to listen, a `RuntimeError` naming its address, and then
+            for the cluster to form (JAX ends a process that waits longer
+            with its own `DEADLINE_EXCEEDED` message).
 
     Returns:
-        The strategy. Build and compile models inside `strategy.scope()`.
+        On TensorFlow, the strategy: build and compile models inside
+        `strategy.scope()`. On JAX, the `keras.distribution.DataParallel`
+        now in effect (`keras.distribution.distribution()`). Both work
+        with `num_replicas(...)` and `with ....scope():`, so one program
+        runs on either backend.
 
     Raises:
         ValueError: on a malformed `TF_CONFIG`, conflicting arguments, or
-            `devices` naming a device this machine does not have.
+            `devices` naming a device this machine does not have; on JAX,
+            also `cross_device_ops`, and a `TF_CONFIG` that makes this
+            process an evaluator or parameter server.
         RuntimeError: when TensorFlow already initialised its devices and the
             chosen strategy needs to configure them, or when the workers of
-            a cluster did not all connect within `startup_timeout`.
+            a cluster did not all connect within `startup_timeout`. On JAX,
+            when JAX already ran a computation before it could join the
+            cluster or split the CPU, when `jax.distributed` already
+            joined another cluster, when a distribution other than this
+            `DataParallel` is already set, or when the coordinator cannot
+            listen at worker 0's address. The message says what to do
+            instead.
 
     Example:
 
     >>> strategy = auto_strategy(virtual_cpus=2)  # doctest: +SKIP
-    >>> strategy.num_replicas_in_sync  # doctest: +SKIP
+    >>> num_replicas(strategy)  # doctest: +SKIP
     2
+    >>> with strategy.scope():  # doctest: +SKIP
+    ...     model = keras.Sequential([keras.layers.Dense(1)])
     """
     if startup_timeout is not None and (
             isinstance(startup_timeout, bool)
@@ -240,15 +293,15 @@ def auto_strategy(
             f"(wait without limit), got {startup_timeout!r}."
         )
     if keras.backend.backend() != "tensorflow":
-        # Keras uses a tf.distribute strategy on its TensorFlow backend only.
-        raise RuntimeError(
-            f"auto_strategy() builds a tf.distribute strategy, which Keras "
-            f"uses on its TensorFlow backend; this process runs Keras on "
-            f"{keras.backend.backend()!r}. There, distribute with "
-            "keras.distribution: keras.distribution.set_distribution("
-            "keras.distribution.DataParallel()) trains on every local "
-            "device (keras_mgpu's callbacks and GradientAccumulationModel "
-            "work under it); or set KERAS_BACKEND=tensorflow.")
+        # Keras distributes with keras.distribution there, not tf.distribute;
+        # the cluster is read from the same places.
+        task = cluster_task()
+        info = (cluster_info() if task is None
+                else parse_tf_config(task.tf_config))
+        return backend.distribution().auto_distribution(
+            info, task, virtual_cpus=virtual_cpus, devices=devices,
+            cross_device_ops=cross_device_ops,
+            startup_timeout=startup_timeout)
     from keras_mgpu import compat
 
     _use_slurm_step()

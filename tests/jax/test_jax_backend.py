@@ -56,13 +56,6 @@ def test_one_device_without_a_distribution():
     assert keras_mgpu.global_batch_size(8) == 8
 
 
-def test_auto_strategy_names_what_to_use_on_jax():
-    """It named a Keras version range that contained the installed one."""
-    with pytest.raises(RuntimeError, match=r"runs Keras on 'jax'.*"
-                       r"keras.distribution.DataParallel\(\)"):
-        keras_mgpu.auto_strategy()
-
-
 def compiled_collectives(model, x, y) -> dict:
     """The collectives of the compiled train step, read from its HLO:
     how many all-reduces, all-gathers and reduce-scatters."""

@@ -2,8 +2,11 @@
 devices along the distribution's batch axis, workers are JAX processes.
 
 `keras_mgpu.strategy`'s public facts answer through this module on
-Keras's JAX backend. The worker facts start JAX's backends: in a
-multi-process job, call `keras.distribution.initialize()` first.
+Keras's JAX backend, and `auto_strategy()` through `auto_distribution`: a
+`DataParallel` over every device, of every process of the cluster
+`TF_CONFIG` or a SLURM step describes (joined with `jax.distributed`).
+The worker facts start JAX's backends: in a multi-process job, call
+`keras_mgpu.auto_strategy()` (or `keras.distribution.initialize()`) first.
 """
 
 from __future__ import annotations
@@ -12,6 +15,10 @@ import contextlib
 
 import jax
 import keras
+
+# `auto_strategy()` on JAX has its own module; the seam names it here.
+from keras_mgpu.backend.jax.auto import auto_distribution  # noqa: F401
+from keras_mgpu.backend.jax.auto import processes_of  # noqa: F401
 
 
 def _checked(distribution, call: str):
