@@ -8,6 +8,7 @@ step on the big batch would, with one all-reduce per step.
 
 # _common first: it quiets TensorFlow's start-up logs.
 from _common import digits, parse_args, workdir
+from _interrupt import stops_cleanly
 
 import keras_mgpu  # noqa: E402
 
@@ -29,8 +30,9 @@ with strategy.scope():
                   "sparse_categorical_crossentropy", metrics=["accuracy"])
 
 micro_batch = keras_mgpu.global_batch_size(32, strategy)
-history = model.fit(x, y, batch_size=micro_batch,
-                    epochs=2 if args.smoke else 20, verbose=0)
+with stops_cleanly() as progress:  # Ctrl-C: one line, exit code 130
+    model.fit(x, y, batch_size=micro_batch, epochs=2 if args.smoke else 20,
+              verbose=0, callbacks=[progress.callback()])
 print(f"micro-batches per epoch: {-(-len(x) // micro_batch)}, "
       f"optimizer steps in all: {int(model.optimizer.iterations.numpy())}")
 print(f"last gradient norm: {model.grad_norm:.3f}")

@@ -8,6 +8,7 @@ the same --workdir resumes at the next unseen batch.
 
 # _common first: it quiets TensorFlow's start-up logs.
 from _common import digits, parse_args, workdir
+from _interrupt import stops_cleanly
 
 import keras_mgpu  # noqa: E402
 
@@ -36,7 +37,10 @@ with strategy.scope():
 backup = BackupAndRestore.from_preset("preemptible", backup_dir, save_freq=10)
 # shuffle=False: a dataset keeps its own order (fit's default shuffle=True
 # does not apply to one, and Keras 3.15 warns that it is ignored).
-model.fit(train, epochs=2 if args.smoke else 20, verbose=0, shuffle=False,
-          callbacks=[backup])
+# Ctrl-C: one line saying that the backup resumes the run (exit code 130).
+with stops_cleanly(backup_dir) as progress:
+    model.fit(train, epochs=2 if args.smoke else 20, verbose=0,
+              shuffle=False, callbacks=[progress.callback(), backup])
+    accuracy = model.evaluate(x_test, y_test, verbose=0)[1]
 print(f"optimizer steps: {int(model.optimizer.iterations.numpy())}; "
-      f"test accuracy: {model.evaluate(x_test, y_test, verbose=0)[1]:.3f}")
+      f"test accuracy: {accuracy:.3f}")

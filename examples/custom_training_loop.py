@@ -9,6 +9,7 @@ hand-made loss scaling, `fit` needs none of it.
 
 # _common first: it quiets TensorFlow's start-up logs.
 from _common import digits, parse_args
+from _interrupt import stops_cleanly
 
 import keras_mgpu  # noqa: E402
 
@@ -65,9 +66,14 @@ def train_step(batch):
 
 
 distributed = strategy.experimental_distribute_dataset(dataset)
-for epoch in range(epochs):
-    for batch in distributed:
-        loss = train_step(batch)
+# Ctrl-C: one line, exit code 130; the loop reports its own progress.
+with stops_cleanly() as progress:
+    for epoch in range(epochs):
+        progress.epoch_begin(epoch)
+        for step, batch in enumerate(distributed):
+            loss = train_step(batch)
+            progress.batch_end(step)
+        progress.epoch_end(epoch)
 print(f"custom loop: last batch loss {float(loss):.4f}")
 
 # --- The same with fit --------------------------------------------------------
@@ -78,7 +84,9 @@ with strategy.scope():
                           from_logits=True))
 # shuffle=False: the dataset's own order, as the loop saw it (fit's default
 # shuffle=True does not apply to a dataset; Keras 3.15 warns it is ignored).
-fit_model.fit(dataset, epochs=epochs, verbose=0, shuffle=False)
+with stops_cleanly(announce=False) as progress:
+    fit_model.fit(dataset, epochs=epochs, verbose=0, shuffle=False,
+                  callbacks=[progress.callback()])
 difference = max(float(np.abs(a - b).max()) for a, b in
                  zip(loop_model.get_weights(), fit_model.get_weights()))
 print(f"fit: same weights as the loop within {difference:.1e}")

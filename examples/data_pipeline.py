@@ -10,6 +10,7 @@ replicas; the same decode cached after the first epoch keeps them fed.
 
 # _common first: it quiets TensorFlow's start-up logs.
 from _common import digits, parse_args, tensorboard_command, workdir
+from _interrupt import stops_cleanly
 
 import keras_mgpu  # noqa: E402
 
@@ -77,8 +78,11 @@ for name, options in pipelines.items():
                                   **options)
     # shuffle=False: the dataset shuffles itself (fit's default shuffle=True
     # does not apply to one, and Keras 3.15 warns that it is ignored).
-    model.fit(train, epochs=2, verbose=0, shuffle=False, callbacks=[
-        DistributedLogger(log_dir, update_freq="epoch", console=False)])
+    # Ctrl-C: one line, exit code 130.
+    with stops_cleanly(announce=name == "starved") as progress:
+        model.fit(train, epochs=2, verbose=0, shuffle=False, callbacks=[
+            DistributedLogger(log_dir, update_freq="epoch", console=False),
+            progress.callback()])
     with open(os.path.join(log_dir, "metrics.jsonl")) as f:
         last = [json.loads(line) for line in f][-1]
     print(f"  {name:<8} input wait {input_wait_summary(last['input_wait'])}, "

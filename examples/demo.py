@@ -32,6 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 # First: _common quiets TensorFlow's start-up logs, in each worker too.
 from _common import REPO, command, shown, tensorboard_command  # noqa: E402
+from _interrupt import current, stops_cleanly  # noqa: E402
 
 
 def run(workdir: str, log_dir: str, epochs: int, trials: int) -> dict:
@@ -127,6 +128,8 @@ def run(workdir: str, log_dir: str, epochs: int, trials: int) -> dict:
     callbacks = [
         # One line per epoch: loss, throughput, step time, input wait.
         DistributedLogger(log_dir, update_freq=10),
+        # Where training is, for the line Ctrl-C ends with.
+        current().callback(),
         # Says "resumed from backup generation N ..." on a rerun.
         BackupAndRestore.from_preset("preemptible", backup_dir, save_freq=10),
     ]
@@ -240,15 +243,6 @@ def _log_dir(workdir: str) -> str:
     return os.path.join(logs, f"run{number}")
 
 
-def _interrupted(workdir: str, fresh: bool) -> str:
-    """What Ctrl-C leaves, and what the next command does with it."""
-    again = ("run the command again without --fresh to resume (with "
-             "--fresh it deletes them and starts over)" if fresh
-             else "run the same command again to resume")
-    return (f"\nInterrupted. {shown(workdir)} keeps the tuning trials and "
-            f"the training backup: {again}.")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", default=None,
@@ -275,25 +269,27 @@ def main() -> None:
     print(("Continuing" if os.path.isdir(log_dir) else "Starting")
           + f" run {os.path.basename(log_dir)[3:]} of {shown(args.workdir)}"
           f" (logs: {shown(log_dir)}).", flush=True)
-    if args.workers > 1:
-        from keras_mgpu.launcher import run_local_workers
+    # Ctrl-C: one line saying what the workdir keeps (the tuning trials
+    # and the training backup) and how to resume; exit code 130.
+    again = ("run the command again without --fresh (--fresh deletes "
+             "it and starts over)" if args.fresh
+             else "run the same command again")
+    with stops_cleanly(args.workdir, again=again, announce=False):
+        if args.workers > 1:
+            from keras_mgpu.launcher import run_local_workers
 
-        print(f"Training {args.epochs} epochs on {args.workers} worker "
-              "processes (MultiWorkerMirroredStrategy; no tuning: the demo "
-              "tunes in one process). Starting them takes a while; each "
-              "line they print comes after its worker's name.", flush=True)
-        results = run_local_workers(
-            "demo:run", args.workers, kwargs=kwargs, timeout=1800, cwd=HERE,
-            echo=sys.stdout,
-            labels=[f"worker {i}" for i in range(args.workers)])
-        result = next(r for r in results if r.result["chief"]).result
-    else:
-        try:
+            print(f"Training {args.epochs} epochs on {args.workers} worker "
+                  "processes (MultiWorkerMirroredStrategy; no tuning: the "
+                  "demo tunes in one process). Starting them takes a while; "
+                  "each line they print comes after its worker's name.",
+                  flush=True)
+            results = run_local_workers(
+                "demo:run", args.workers, kwargs=kwargs, timeout=1800,
+                cwd=HERE, echo=sys.stdout,
+                labels=[f"worker {i}" for i in range(args.workers)])
+            result = next(r for r in results if r.result["chief"]).result
+        else:
             result = run(**kwargs)
-        except KeyboardInterrupt:
-            # The tuner and the backup keep what was done.
-            print(_interrupted(args.workdir, args.fresh))
-            sys.exit(130)
     report(result, args.workdir, args.workers)
     if not args.smoke:
         assert result["accuracy"] > 0.9, (

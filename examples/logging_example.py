@@ -9,6 +9,7 @@ bar does; the JSONL's `epoch` field is 0-based, as Keras's callbacks get it.
 
 # _common first: it quiets TensorFlow's start-up logs.
 from _common import digits, parse_args, tensorboard_command, workdir
+from _interrupt import stops_cleanly
 
 import keras_mgpu  # noqa: E402
 
@@ -31,9 +32,11 @@ with strategy.scope():
     ])
     model.compile("adam", "sparse_categorical_crossentropy",
                   metrics=["accuracy"])
-model.fit(x, y, batch_size=64, epochs=2 if args.smoke else 10, verbose=0,
-          validation_data=(x_test, y_test),
-          callbacks=[DistributedLogger(log_dir, update_freq=5)])
+with stops_cleanly() as progress:  # Ctrl-C: one line, exit code 130
+    model.fit(x, y, batch_size=64, epochs=2 if args.smoke else 10, verbose=0,
+              validation_data=(x_test, y_test),
+              callbacks=[DistributedLogger(log_dir, update_freq=5),
+                         progress.callback()])
 with open(f"{log_dir}/metrics.jsonl") as f:
     last = json.loads(f.readlines()[-1])
 # The last record is the last epoch's.

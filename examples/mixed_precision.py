@@ -8,6 +8,7 @@ example forces mixed_float16 to show the mechanics (it is slower there).
 
 # _common first: it quiets TensorFlow's start-up logs.
 from _common import digits, parse_args
+from _interrupt import stops_cleanly
 
 import keras_mgpu  # noqa: E402
 
@@ -36,8 +37,9 @@ with strategy.scope():
 findings = mixed_precision.audit(model)
 print(f"policy {policy}; audit findings: {findings or 'none'}")
 monitor = mixed_precision.LossScaleMonitor(min_scale=1.0)
-history = model.fit(x, y, batch_size=64, epochs=2 if args.smoke else 15,
-                    verbose=0, callbacks=[monitor])
+with stops_cleanly() as progress:  # Ctrl-C: one line, exit code 130
+    history = model.fit(x, y, batch_size=64, epochs=2 if args.smoke else 15,
+                        verbose=0, callbacks=[monitor, progress.callback()])
 print("output dtype:", model.outputs[0].dtype)
 print("loss scale:", history.history.get("loss_scale", ["n/a"])[-1],
       "skipped steps:", history.history.get("skipped_steps_total", [0])[-1])

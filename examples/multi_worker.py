@@ -44,6 +44,7 @@ if __name__ == "__main__":
     # _common first: it quiets TensorFlow's start-up logs, and its
     # TF_CPP_MIN_LOG_LEVEL reaches the workers through their environment.
     from _common import parse_args
+    from _interrupt import stops_cleanly
 
     args = parse_args(__doc__.splitlines()[0],
                       workers={"type": int, "default": 2})
@@ -51,8 +52,12 @@ if __name__ == "__main__":
 
     # A worker's stderr (TensorFlow's gRPC and collective logs among it) is
     # shown only if it fails, in the WorkerError.
-    results = run_local_workers("multi_worker:train", args.workers,
-                                kwargs={"epochs": 2 if args.smoke else 10},
-                                timeout=600)
+    print(f"Training on {args.workers} worker processes (Ctrl-C stops "
+          "them; nothing is saved)...", flush=True)
+    # Ctrl-C: the launcher stops the workers; one line, exit code 130.
+    with stops_cleanly():
+        results = run_local_workers(
+            "multi_worker:train", args.workers,
+            kwargs={"epochs": 2 if args.smoke else 10}, timeout=600)
     for r in results:
         print(json.dumps(r.result))

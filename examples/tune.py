@@ -17,6 +17,7 @@ import sys
 # _common first: it quiets TensorFlow's start-up logs, here and (through
 # TF_CPP_MIN_LOG_LEVEL) in the workers --parallel starts.
 from _common import shown, workdir
+from _interrupt import stops_cleanly
 
 
 def build_model(hp):
@@ -59,7 +60,10 @@ def main(directory=None, trials=4, epochs=3):
         hypermodel, objective="val_loss", max_trials=trials, seed=0,
         directory=directory, project_name="digits",
         distribution_strategy=strategy)
-    tuner.search(*train, validation_data=val, epochs=epochs, verbose=0)
+    # Ctrl-C: one line saying the trials resume (exit code 130).
+    with stops_cleanly(os.path.join(directory, "digits")) as progress:
+        tuner.search(*train, validation_data=val, epochs=epochs, verbose=0,
+                     callbacks=[progress.callback()])
     if os.environ.get("KERASTUNER_TUNER_ID", "chief") == "chief":
         best = tuner.oracle.get_best_trials(1)[0]
         print(f"best of {trials} trials: {best.hyperparameters.values}")
@@ -95,12 +99,13 @@ if __name__ == "__main__":
         gpus = mgpu_tuner.local_gpus()
         # A worker's own output (TensorFlow's logs among it) is shown only
         # if it fails, in the error; the chief prints the result.
-        results = mgpu_tuner.launch(
-            os.path.abspath(__file__), devices=gpus,
-            devices_per_trial=options.devices_per_trial,
-            num_workers=None if gpus else 2,
-            args=["--parallel", "--directory", directory]
-            + (["--smoke"] if options.smoke else []))
+        with stops_cleanly(os.path.join(directory, "digits")):
+            results = mgpu_tuner.launch(
+                os.path.abspath(__file__), devices=gpus,
+                devices_per_trial=options.devices_per_trial,
+                num_workers=None if gpus else 2,
+                args=["--parallel", "--directory", directory]
+                + (["--smoke"] if options.smoke else []))
         print(results[0].stdout, end="")
     else:
         main(directory, **size)

@@ -83,6 +83,27 @@ def test_python_snippet_runs_as_pasted(code, level, tmp_path):
     assert_no_tensorflow_log_line(proc.stdout + proc.stderr)
 
 
+# What the quick start's `make demo` installs nothing of: the optional
+# packages of the extras other than `demo` (and its `tuner`).
+NOT_IN_THE_QUICK_START = ("wandb", "xprof", "tensorboard_plugin_profile",
+                          "matplotlib", "jax")
+
+
+def test_the_telemetry_snippet_runs_where_the_quick_start_installed(
+        tmp_path):
+    """After `make demo` (the `demo` extra: no wandb), the snippet runs as
+    pasted: here with the other extras' packages unimportable."""
+    code = next(c for c in blocks("python")
+                if snippet_id(c) == "DistributedLogger(")
+    hide = "".join(f"sys.modules[{name!r}] = None\n"
+                   for name in NOT_IN_THE_QUICK_START)
+    proc = subprocess.run([sys.executable, "-c", f"import sys\n{hide}{code}"],
+                          cwd=tmp_path, env=quiet_env("3"),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert PRINTS["DistributedLogger("] in proc.stdout, proc.stdout
+
+
 def test_every_snippet_starts_quiet():
     # The README's promise: one call, first, before TensorFlow loads (after
     # the environment, which Keras reads as TensorFlow imports it).
