@@ -20,6 +20,18 @@ from keras_mgpu.callbacks.backup.lock import (HEARTBEAT_SECONDS, LOCK_NAME,
                                                BackupDirInUse, OwnerLock)
 
 TIMEOUT = 60
+
+
+def first_line(stream, timeout: float) -> str:
+    """The next line a child prints to `stream`, or "(nothing)" when none
+    comes within `timeout` seconds (a blocked child never hangs a test)."""
+    lines = queue.Queue()
+    threading.Thread(target=lambda: lines.put(stream.readline()),
+                     daemon=True).start()
+    try:
+        return lines.get(timeout=timeout)
+    except queue.Empty:
+        return "(nothing)"
 LINUX = sys.platform.startswith("linux")
 
 # Loads the module from its file, not through the keras_mgpu package, so the
@@ -50,13 +62,7 @@ def holder(tmp_path):
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
             text=True)
         started.append((proc, stderr))
-        lines = queue.Queue()
-        threading.Thread(target=lambda: lines.put(proc.stdout.readline()),
-                         daemon=True).start()
-        try:
-            line = lines.get(timeout=TIMEOUT)
-        except queue.Empty:
-            line = "(nothing)"
+        line = first_line(proc.stdout, TIMEOUT)
         if not line.startswith("LOCKED"):
             proc.kill()
             proc.wait(timeout=TIMEOUT)

@@ -14,17 +14,17 @@ SIGTERM (which the script requeues on) and run again, as a requeued job.
 """
 
 import os
-import random
 import re
 import select
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
+
+from tests.test_launch import free_slurm_job
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = ("docs/cli.md", "docs/strategy.md")
@@ -142,12 +142,14 @@ def doc_env(root):
     return env
 
 
-@pytest.mark.parametrize("doc, command", COMMANDS,
-                         ids=[command_id(c) for c in COMMANDS])
+# What runs here: every command but the EXCLUDED ones (each checked above
+# to match a command, and covered by its own test below).
+RUN = [(doc, c) for doc, c in COMMANDS if not excluded(c)]
+
+
+@pytest.mark.parametrize("doc, command", RUN,
+                         ids=[command_id(c) for c in RUN])
 def test_command_runs_as_pasted(doc, command, tmp_path):
-    why = excluded(command)
-    if why:
-        pytest.skip(why)
     root = checkout(tmp_path)
     proc = subprocess.run(["bash", "-c", command], cwd=root,
                           env=doc_env(root), capture_output=True, text=True,
@@ -182,21 +184,6 @@ def srun_step(script, shared):
     assert any(word.startswith("/nfs/") for word in words), words
     return [str(shared) + word if word.startswith("/nfs/") else word
             for word in words]
-
-
-def free_job_id():
-    """A job id whose first 2 ports are free here: docs/strategy.md's
-    block of 64 ports from 20000 + 64 x (job id mod 600), one per task."""
-    for job in random.Random().sample(range(1, 600), 599):
-        port = 20000 + 64 * (job % 600)
-        try:
-            with socket.socket() as a, socket.socket() as b:
-                a.bind(("localhost", port))
-                b.bind(("localhost", port + 1))
-            return job
-        except OSError:
-            continue
-    raise RuntimeError("no SLURM job id with free ports")
 
 
 class Step:
@@ -279,7 +266,7 @@ def test_the_slurm_scripts_step_trains_is_preempted_and_resumes(tmp_path):
     from that save and finishes."""
     root = checkout(tmp_path)
     program = srun_step(slurm_script(), tmp_path / "shared")
-    job = free_job_id()
+    job = free_slurm_job()
     step = Step(program, root, job, tmp_path, "preempted")
     try:
         step.read_until("MultiWorkerMirroredStrategy: 2 replica(s), "

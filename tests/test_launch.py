@@ -5,6 +5,7 @@ steps and Kubernetes (TFJob) clusters as `auto_strategy()` reads them."""
 import io
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -195,9 +196,10 @@ def test_a_missing_working_directory_is_refused_before_anything_starts(
                         cwd=str(tmp_path / "missing"))
 
 
-def _free_slurm_job() -> int:
-    """A job id whose first 2 ports are free here now."""
-    for job in range(1, 600):
+def free_slurm_job() -> int:
+    """A job id whose first 2 ports are free here now (tried in random
+    order: tests running at once rarely pick the same)."""
+    for job in random.Random().sample(range(1, 600), 599):
         port = slurm.job_port(job)
         try:
             with socket.socket() as a, socket.socket() as b:
@@ -211,7 +213,7 @@ def _free_slurm_job() -> int:
 
 def test_two_srun_tasks_without_tf_config_train_as_the_launchers_two_workers(
         two_workers, tmp_path):
-    job = _free_slurm_job()
+    job = free_slurm_job()
 
     def env(index):
         return {**QUIET, "TF_CONFIG": "", "SLURM_JOB_ID": str(job),

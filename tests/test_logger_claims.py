@@ -3,7 +3,6 @@ write one log_dir at once is refused, naming the run that writes it."""
 
 import json
 import os
-import queue
 import subprocess
 import sys
 import threading
@@ -13,6 +12,7 @@ import numpy as np
 import pytest
 
 from keras_mgpu.callbacks import DistributedLogger, LogDirInUse
+from tests.test_backup_lock import first_line
 
 TIMEOUT = 240
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -248,13 +248,7 @@ def test_another_process_is_refused_in_any_spelling_and_named(tmp_path):
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
             text=True)
         try:
-            lines = queue.Queue()
-            threading.Thread(target=lambda: lines.put(holder.stdout.readline()),
-                             daemon=True).start()
-            try:
-                line = lines.get(timeout=TIMEOUT)
-            except queue.Empty:
-                line = "(nothing)"
+            line = first_line(holder.stdout, TIMEOUT)
             assert line == "HOLDING\n", (line, holder.poll(), _tail(stderr))
             for spelling in (os.path.relpath(log_dir), str(tmp_path / "link"),
                              log_dir + "/", "file://" + log_dir):
