@@ -9,7 +9,7 @@ import keras
 import pytest
 import tensorflow as tf
 
-from keras_mgpu.callbacks import BackupAndRestore
+from keras_mgpu.callbacks import BackupAndRestore, DistributedLogger
 from tests import workers
 
 
@@ -84,10 +84,15 @@ def test_a_refused_resume_never_says_it_resumed(tmp_path, capsys, caplog,
     backup_dir = str(tmp_path / "backup")
     _interrupted(backup_dir, save_freq=4)
     assert _said(capsys, caplog) == []
+    log_dir = tmp_path / "logs"
     with pytest.raises(ValueError, match=error):
-        _fit([_Table(refuse=refuse), BackupAndRestore(backup_dir,
-                                                      save_freq=4)], **rerun)
+        _fit([_Table(refuse=refuse),
+              BackupAndRestore(backup_dir, save_freq=4),
+              DistributedLogger(str(log_dir), console=True)], **rerun)
     assert _said(capsys, caplog) == []
+    # Nor does the logger record one.
+    records = (log_dir / "metrics.jsonl").read_text().splitlines()
+    assert not [r for r in records if '"kind": "resume"' in r], records
 
 
 @pytest.mark.parametrize("save_freq, batch_size, verbose, where", [
@@ -110,11 +115,15 @@ def test_an_accepted_resume_says_so_once(tmp_path, capsys, caplog, recwarn,
     _interrupted(backup_dir, save_freq)
     table = _Table()
     table.rows = []
-    model = _fit([table, BackupAndRestore(backup_dir, save_freq=save_freq)],
+    model = _fit([table, BackupAndRestore(backup_dir, save_freq=save_freq),
+                  DistributedLogger(str(tmp_path / "logs"), console=True)],
                  batch_size=batch_size, verbose=verbose)
-    assert _said(capsys, caplog) == [
+    said = _said(capsys, caplog)
+    assert [line for line in said if "BackupAndRestore" in line] == [
         f"BackupAndRestore: resumed from backup generation "
         f"{3 if save_freq == 4 else 1} {where} ({backup_dir})"]
+    assert len([line for line in said
+                if line.startswith("DistributedLogger: resumed")]) == 1
     assert table.rows == [1, 2]
     # 24 steps in batches of 16; the rest of epoch 2 and epoch 3 in 32s.
     assert int(model.optimizer.iterations.numpy()) == (

@@ -340,7 +340,8 @@ class DistributedLogger(RuntimeCallback):
     def on_epoch_begin(self, epoch, logs=None):
         super().on_epoch_begin(epoch, logs)
         self._lines.flush()
-        self._log_resumes()
+        if not self._fit.runtime.skipping:
+            self._log_resumes()
         self._progress.begin_epoch(epoch)
 
     def on_train_batch_begin(self, batch, logs=None):
@@ -352,6 +353,10 @@ class DistributedLogger(RuntimeCallback):
         super().on_train_batch_begin(batch, logs)
         if not runtime.batch_trains:
             return  # replayed by a resume: nothing trained, nothing logged
+        if len(progress.logged_resumes) < len(runtime.resumed_here):
+            # The first batch after a resume mid-epoch: the skipping that
+            # could refuse it is done.
+            self._log_resumes(mid_epoch=True)
         last = progress.last_begin
         if last is not None and now - last > progress.window.step_max:
             progress.window.step_max = now - last
@@ -469,7 +474,10 @@ class DistributedLogger(RuntimeCallback):
         sinks, self._sinks = self._sinks, None
         sinks.close()
 
-    def _log_resumes(self):
+    def _log_resumes(self, mid_epoch: bool = False):
+        """Records each resume made here, once it is accepted (the runtime
+        has skipped what the interrupted run trained): a refused resume is
+        not recorded."""
         logged = self._progress.logged_resumes
         for event in self._fit.runtime.resumed_here:
             if event in logged:
@@ -481,8 +489,11 @@ class DistributedLogger(RuntimeCallback):
                     "resume", event.epoch, event.step, {}, {}, None,
                     resume={**dataclasses.asdict(event), "text": text}))
                 if self.console:
-                    # At an epoch's begin: no progress-bar line is open.
-                    print_msg(f"DistributedLogger: {text}.")
+                    # Mid-epoch, off the progress bar's unfinished line.
+                    bar = mid_epoch and (self.params or {}).get(
+                        "verbose") in (1, "auto")
+                    print_msg(("\n" if bar else "")
+                              + f"DistributedLogger: {text}.")
 
     def _finish_epoch(self):
         if self._progress.epoch_span.steps == 0:
