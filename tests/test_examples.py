@@ -190,19 +190,6 @@ CTRL_C = {
 }
 
 
-# Known library bugs that stop an example's rerun from resuming: the error
-# the rerun shows, and why (the test passes again once it is fixed).
-RESUME_BUGS = {
-    "tune.py": (
-        "was made by a model with different variables",
-        "keras_mgpu.tuner (#44): the rerun of an interrupted search resumes "
-        "its running trial with the same hyperparameters, but the trial's "
-        "BackupAndRestore refuses its own backup ('was made by a model with "
-        "different variables'); KerasTuner marks the trial failed and goes "
-        "on"),
-}
-
-
 def test_every_example_has_a_ctrl_c_test():
     names = {name for name in os.listdir(EXAMPLES)
              if name.endswith(".py") and not name.startswith("_")}
@@ -228,10 +215,6 @@ def test_ctrl_c_ends_with_one_line_and_a_rerun_resumes(name, tmp_path):
     again = Started(*command, errdir=str(tmp_path), env=env)
     resumed = again.read_until(
         "BackupAndRestore: resumed from backup generation", required=False)
-    if resumed is None and name in RESUME_BUGS:
-        known, why = RESUME_BUGS[name]
-        if known in again.stderr():
-            pytest.xfail(why)
     assert resumed, (name, "".join(again.lines), again.stderr()[-5000:])
     line = interrupted_line(*again.interrupt(), name)
     assert line.endswith("resumes it; run the same command again."), line

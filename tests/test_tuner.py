@@ -4,6 +4,7 @@ import contextlib
 import gc
 import hashlib
 import importlib
+import json
 import math
 import os
 import re
@@ -736,6 +737,77 @@ def test_killed_search_resumes_without_redoing_trials(run_workers, tmp_path):
     assert max(float(np.abs(a - b).max())
                for a, b in zip(*checkpoints)) <= 1e-6
 
+
+
+def first_trial_search(directory, seed=None, kill_epoch=None, max_trials=2):
+    """Worker entry point (and, with the killed search's seed, the
+    uninterrupted reference here): `resumable_search`'s trials with
+    KerasTuner's default seed, None (a new one drawn in each process), and
+    `loss` minimized, so each trial's best epoch is its last. With
+    `kill_epoch`, killed as trial 0, its first, begins that epoch."""
+    tuner = keras_tuner.RandomSearch(
+        tuner_workers.make_recording_hypermodel(
+            os.path.join(directory, "epochs.jsonl"),
+            None if kill_epoch is None else "0", kill_epoch,
+            build_fn=tuner_workers.build_seeded_model,
+            per_replica_batch_size=8),
+        objective="loss", max_trials=max_trials, seed=seed,
+        directory=directory, project_name="first", overwrite=False,
+        distribution_strategy=mirrored(2))
+    return tuner_workers.search_resumable(tuner)
+
+
+def test_a_search_killed_in_its_first_trial_resumes_that_trial(run_workers,
+                                                               tmp_path):
+    """A search killed (SIGKILL) in epoch 3 of 4 of its first trial: the
+    rerun in a new process retries trial 0 with its own hyperparameters
+    and resumes its backup, and the trial ends as it does uninterrupted.
+    (KerasTuner reloads a search only from the tuner's file, which it
+    writes as a trial ends: the rerun began a new search, whose trial 0,
+    with new hyperparameters, failed on the killed one's backup.)"""
+    directory = str(tmp_path / "killed")
+    env = {"TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": "-1",
+           "TF_CONFIG": "{}"}
+    first = run_workers(
+        first_trial_search, 1, env=env, timeout=180,
+        kwargs={"directory": directory, "kill_epoch": 2},
+        kill_when_printed="KILL-ME")
+    assert first[0].killed
+    log_path = os.path.join(directory, "epochs.jsonl")
+    killed_pid = tuner_workers.read_log(log_path)[0]["pid"]
+    assert [(r["trial"], r["epoch"])
+            for r in tuner_workers.read_log(log_path)] == [("0", 0), ("0", 1)]
+    project = os.path.join(directory, "first")
+    with open(os.path.join(project, "trial_0", "trial.json")) as f:
+        killed_hp = json.load(f)["hyperparameters"]["values"]
+    with open(os.path.join(project, "oracle.json")) as f:
+        seed = json.load(f)["seed"]
+
+    second = run_workers(first_trial_search, 1, env=env, timeout=180,
+                         kwargs={"directory": directory})
+    assert second[0].result["trials"] == {"0": "COMPLETED", "1": "COMPLETED"}
+    resumed = second[0].result["best"]["0"]
+    assert resumed["hp"] == killed_hp
+    rerun = [r for r in tuner_workers.read_log(log_path)
+             if r["pid"] != killed_pid]
+    # Trial 0 resumes at epoch 3 with its optimizer's state (4 steps per
+    # epoch: 64 samples, global batch 8 x 2 replicas), then trial 1 runs.
+    assert [(r["trial"], r["epoch"]) for r in rerun] == [
+        ("0", 2), ("0", 3), ("1", 0), ("1", 1), ("1", 2), ("1", 3)]
+    assert [r["iterations"] for r in rerun[:2]] == [12, 16]
+
+    reference = str(tmp_path / "uninterrupted")
+    expected = first_trial_search(reference, seed=seed,
+                                  max_trials=1)["best"]["0"]
+    assert expected["hp"] == killed_hp
+    assert resumed["best_step"] == expected["best_step"] == 3
+    assert abs(resumed["score"] - expected["score"]) <= 1e-6
+    checkpoints = [checkpoint_arrays(os.path.join(
+        d, "first", "trial_0", "checkpoint.weights.h5"))
+        for d in (directory, reference)]
+    assert len(checkpoints[0]) == len(checkpoints[1]) > 0
+    assert max(float(np.abs(a - b).max())
+               for a, b in zip(*checkpoints)) <= 1e-6
 
 @contextlib.contextmanager
 def rendezvous(parties, timeout=240):

@@ -83,9 +83,12 @@ class StrategyAwareHyperModel(keras_tuner.HyperModel):
       `<project_dir>/trial_<id>/backup/execution_<k>`, so a trial interrupted
       by a killed search resumes from its last backup when the search is
       rerun with `overwrite=False` (KerasTuner itself skips completed trials
-      and retries the interrupted one); the resumed trial keeps the epochs
-      trained before the kill in its history and its best value, so its
-      score, best step and best checkpoint are the uninterrupted trial's;
+      and retries the interrupted one with its hyperparameters; the first
+      trial too, as its `fit` saves the tuner's file, which KerasTuner
+      reloads from but itself writes only as a trial ends); the resumed
+      trial keeps the epochs trained before the kill in its history and
+      its best value, so its score, best step and best checkpoint are the
+      uninterrupted trial's;
     - adds the `EFFECTIVE_KEYS` metrics to the trial (constant per epoch).
 
     Args:
@@ -420,6 +423,14 @@ class StrategyAwareHyperModel(keras_tuner.HyperModel):
             per_replica = _DEFAULT_BATCH
         callbacks = list(kwargs.pop("callbacks", None) or [])
         found = compat.tuner_and_trial(callbacks)
+        if found is not None:
+            # KerasTuner reloads a search (overwrite=False) only from the
+            # tuner's file, which it writes as a trial ends: the rerun of a
+            # search killed in its first trial started anew, and its new
+            # trial 0 (other hyperparameters) met the old one's backup.
+            # Saved before the trial's first backup, the search is reloaded
+            # and the trial retried with its own hyperparameters.
+            found[0].save()
         if self.backup is not False:
             compat.check_save_best_epoch(callbacks)
         info = self._effective(model, per_replica)
