@@ -242,6 +242,14 @@ def train_steps(backup_dir, result, save_freq=1, keep=1, epochs=2, steps=8,
     model.compile(keras.optimizers.Adam(0.01), "mse")
 
     class PrintSteps(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            # The generation loaded (its "resumed" line comes once the
+            # resume is accepted, which a kill may come before).
+            from keras_mgpu.runtime import training_runtime
+
+            for event in training_runtime(self.model).resumed_here:
+                marker(f"RESTORED {event.generation};")
+
         def on_train_batch_end(self, batch, logs=None):
             step = int(self.model.optimizer.iterations.numpy())
             marker(f"STEP {step};")

@@ -46,9 +46,9 @@ def max_diff(a, b):
 
 
 def resumed_from(lines):
-    """The generation a run says it resumed from, or None."""
+    """The generation a run restored, or None."""
     for line in lines:
-        match = re.search(r"resumed from backup generation (\d+)", line)
+        match = re.fullmatch(r"RESTORED (\d+);", line)
         if match:
             return int(match.group(1))
     return None
@@ -145,6 +145,8 @@ def test_twenty_kills_at_random_points_of_per_step_saves(forks, tmp_path):
     if code != 0:
         forks.fail(f"the last rerun exited with {code}")
     assert resumed_from(lines) == committed[0]
+    assert any(f"resumed from backup generation {committed[0]} " in line
+               for line in lines), lines
     with np.load(tmp_path / "resumed.npz") as saved:
         assert int(saved["iterations"]) == full_steps == 64
         weights = [saved[f"arr_{i}"] for i in range(len(full))]

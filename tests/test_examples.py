@@ -68,6 +68,13 @@ def test_example_runs(name, expected, tmp_path):
         assert text in output
 
 
+def _ctrl_c_as_in_a_terminal():
+    # Tests started as a shell's background job inherit SIGINT ignored,
+    # and a Python started so raises no KeyboardInterrupt: the child gets
+    # Ctrl-C as a terminal's foreground job does.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Started:
     """An example started as a user starts it, its stdout read line by line
     (stderr goes to a file: nothing blocks on a full pipe). Each wait has
@@ -80,7 +87,8 @@ class Started:
         self.child = subprocess.Popen(
             [sys.executable, os.path.join(EXAMPLES, name), *args],
             stdout=subprocess.PIPE, stderr=self.errfile, text=True,
-            env=example_env() if env is None else env, cwd=EXAMPLES)
+            env=example_env() if env is None else env, cwd=EXAMPLES,
+            preexec_fn=_ctrl_c_as_in_a_terminal)
         self.lines = []
 
     def stderr(self):

@@ -305,7 +305,11 @@ ABORTING_WORKER = textwrap.dedent("""
         sys.exit(0)
     print(f"TRAINING {index}", flush=True)
     flag = sys.argv[1]
+    if index == 0:
+        open(flag + ".0", "w").close()  # after its line is out
     if index == 1:
+        while not os.path.exists(flag + ".0"):
+            time.sleep(0.01)
         with open(flag + ".tmp", "w") as f:
             f.write(str(os.getpid()))
         os.replace(flag + ".tmp", flag)

@@ -119,12 +119,17 @@ class Echo:
         for line in lines:
             self._line(i, state, line)
         if final and state.traceback:
-            self._show(i, state.traceback)
-            state.traceback = None
+            block, state.traceback = state.traceback, None
+            (self._hold if self._holding(i) else self._show)(i, block)
+
+    def _holding(self, i: int) -> bool:
+        return i in self._held or bool(self._failed and i not in self._failed)
 
     def _line(self, i: int, state: _Stream, line: bytes) -> None:
-        if i in self._held or (self._failed and i not in self._failed):
-            self._hold(i, [line])
+        if self._holding(i):
+            # A traceback begun before is held with the rest.
+            block, state.traceback = state.traceback or [], None
+            self._hold(i, block + [line])
         elif state.traceback is not None:
             state.traceback.append(line)
             # A traceback ends with its one unindented line after the

@@ -236,10 +236,11 @@ def _wait(procs, files, timeout, marker, to_kill, kill_signal, echo: Echo,
         codes = [p.poll() for p in procs]
         first = [i for i, c in enumerate(codes)
                  if c not in (None, 0) and i not in killed]
-        if first:
-            # Before what the others printed meanwhile is shown.
-            echo.failed(first)
+        # What was written until now is shown (a collective's abort held
+        # back all the same); from the failure on, the others' is held.
         echo.copy()
+        if first:
+            echo.failed(first)
         if all(c is not None for c in codes):
             return killed, set(), [], None
         # A worker that died, or every one killed on request, leaves the
