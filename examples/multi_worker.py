@@ -52,10 +52,10 @@ if __name__ == "__main__":
 
     # A worker's stderr (TensorFlow's gRPC and collective logs among it) is
     # shown only if it fails, in the WorkerError.
-    print(f"Training on {args.workers} worker processes (Ctrl-C stops "
-          "them; nothing is saved)...", flush=True)
     # Ctrl-C: the launcher stops the workers; one line, exit code 130.
     with stops_cleanly():
+        print(f"Training on {args.workers} worker processes (Ctrl-C stops "
+              "them; nothing is saved)...", flush=True)
         results = run_local_workers(
             "multi_worker:train", args.workers,
             kwargs={"epochs": 2 if args.smoke else 10}, timeout=600)
