@@ -345,3 +345,23 @@ def test_close_with_closes_the_files_when_the_owner_is_collected(log_dir):
     # Everything submitted was written before the files were closed.
     assert event_tensors(log_dir)["batch_loss"] == [(4, 0.5)]
     assert [json.loads(line)["step"] for line in read_back(log_dir)] == [4]
+
+
+def test_a_ctrl_c_as_the_writer_starts_loses_nothing_at_close(
+        tmp_path, monkeypatch):
+    # Ctrl-C (a KeyboardInterrupt) lands as the background writer starts;
+    # the close at exit still writes what was queued (it raised instead).
+    log_dir = f"ram://keras_mgpu_test/{tmp_path.name}/interrupted"
+    sinks = Sinks(log_dir, None)
+    start = threading.Thread.start
+
+    def interrupted(thread):
+        monkeypatch.setattr(threading.Thread, "start", start)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(threading.Thread, "start", interrupted)
+    record = make_record(step=4)
+    with pytest.raises(KeyboardInterrupt):
+        sinks.submit(record)
+    sinks.close()
+    assert [json.loads(line) for line in read_back(log_dir)] == [record]

@@ -162,7 +162,12 @@ class Sinks:
             idle = not self._running and self._queue.empty()
         if not idle:
             self._put(_CLOSE)
-            self._thread.join()
+            thread = self._thread
+            if thread.ident is None:
+                # A Ctrl-C came between its creation and its start (this
+                # close runs at exit then).
+                thread.start()
+            thread.join()
         # Idle (a drained logger dropped, or closed at exit, where Python
         # 3.12+ refuses new threads): nothing to write, close here.
         for writer in self.run_writers():
@@ -176,11 +181,12 @@ class Sinks:
         with self._lock:
             self._queue.put(item)
             if not self._running:
-                self._running = True
                 # Not a daemon: records queued when the program ends still
-                # land.
+                # land. Named before it is marked running: a Ctrl-C between
+                # the two leaves no running writer without a thread.
                 self._thread = threading.Thread(
                     target=self._run, name="DistributedLogger")
+                self._running = True
                 self._thread.start()
 
     def _raise_error(self) -> None:
