@@ -140,5 +140,8 @@ def _wait_for_writes():
     BackupAndRestore's write in flight among them)."""
     for thread in threading.enumerate():
         if thread is not threading.current_thread() and not thread.daemon:
-            thread.join(WRITE_WAIT)
+            try:
+                thread.join(WRITE_WAIT)
+            except RuntimeError:
+                pass  # still starting (the Ctrl-C came as it started)
 

@@ -163,9 +163,9 @@ class Sinks:
         if not idle:
             self._put(_CLOSE)
             thread = self._thread
-            if thread.ident is None:
+            if thread.ident is None and thread not in threading.enumerate():
                 # A Ctrl-C came between its creation and its start (this
-                # close runs at exit then).
+                # close runs at exit then); one starting is listed.
                 thread.start()
             thread.join()
         # Idle (a drained logger dropped, or closed at exit, where Python
