@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 ID := $(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 LOGDIR ?= runs/demo/logs
 
-.PHONY: demo test test-jax check matrix models tensorboard wheel venv clean
+.PHONY: demo test test-all test-jax check typecheck matrix models tensorboard wheel venv docs clean
 
 $(PY):
 	@$(PYTHON) -c 'import sys; sys.exit("keras-mgpu needs Python 3.10+, found " + sys.version.split()[0]) if sys.version_info < (3, 10) else None'
@@ -35,20 +35,33 @@ test: $(VENV)/.installed-dev-$(ID)
 	$(PY) -m pytest -n 2 --dist loadfile $(PYTEST_ARGS)
 	$(JAX_ENV) $(PY) -m pytest -n 2 --dist loadfile $(JAX_TESTS)
 
+# `make test` with the exhaustive variants (pytest's `exhaustive` marker:
+# more replica counts, optimizers, log levels and examples on the code
+# paths the default run covers).
+test-all: $(VENV)/.installed-dev-$(ID)
+	$(PY) -m pytest -n 2 --dist loadfile -m "not full_matrix" $(PYTEST_ARGS)
+	$(JAX_ENV) $(PY) -m pytest -n 2 --dist loadfile -m "not full_matrix" $(JAX_TESTS)
+
 # The JAX backend's run alone.
 test-jax: $(VENV)/.installed-dev-$(ID)
 	$(JAX_ENV) $(PY) -m pytest -n 2 --dist loadfile $(JAX_TESTS) $(PYTEST_ARGS)
 
-# The fast tier: the unit tests of the pieces that need no training run (the
-# backup's store, lock and state, compat's checks and registry, the command
-# line, strategy and cluster parsing, the import graph, the docstrings, the
-# file layer, the logger's records and sinks).
+# The fast tier: the type check (mypy), then the unit tests of the pieces
+# that need no training run (the backup's store, lock and state, compat's
+# checks and registry, the command line, strategy and cluster parsing, the
+# import graph, the docstrings and the API reference, the file layer, the
+# logger's records and sinks).
 CHECK_TESTS := tests/test_backup_store.py tests/test_backup_lock.py \
 	tests/test_callback_state.py tests/test_compat.py tests/test_cli.py \
 	tests/test_strategy.py tests/test_collectives.py tests/test_imports.py \
-	tests/test_docstrings.py tests/test_fs.py tests/test_sinks.py
-check: $(VENV)/.installed-dev-$(ID)
+	tests/test_docstrings.py tests/test_fs.py tests/test_sinks.py \
+	tests/test_api_docs.py
+check: typecheck
 	$(PY) -m pytest -n 2 --dist loadfile -k "not end_to_end" $(CHECK_TESTS) $(PYTEST_ARGS)
+
+# mypy over the package, with setup.cfg's [mypy] configuration.
+typecheck: $(VENV)/.installed-dev-$(ID)
+	$(VENV)/bin/mypy
 
 # Every model of the tested-models matrix on both backends (noxfile.py's
 # `models` session; about an hour on 2 cores).
@@ -63,6 +76,12 @@ matrix: $(VENV)/.installed-dev-$(ID)
 # The demo's logs (or LOGDIR=...), served on http://localhost:6006.
 tensorboard: $(VENV)/.installed-demo-$(ID)
 	$(VENV)/bin/tensorboard --logdir $(LOGDIR)
+
+# The docs as a browsable site with search, the API reference included, in
+# site/ (open site/index.html). Strict: a public name without a docstring
+# or a broken link fails it.
+docs: $(VENV)/.installed-docs-$(ID)
+	$(VENV)/bin/mkdocs build --strict
 
 # A wheel in dist/, to install elsewhere: pip install dist/keras_mgpu-*.whl
 wheel: | $(PY)

@@ -49,11 +49,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras_mgpu  # noqa: E402  (sets KERAS_BACKEND before keras loads)
-from keras_mgpu.callbacks import BackupAndRestore  # noqa: E402
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from _timed_backup import TimedBackup  # noqa: E402
 from _timing import EpochTimer  # noqa: E402
 
 NONE = "no callback"
@@ -72,30 +72,6 @@ class TimedKerasBackup(keras.callbacks.BackupAndRestore):
         start = time.perf_counter()
         super()._save_model()
         self.save_seconds.append(time.perf_counter() - start)
-
-
-class TimedBackup(BackupAndRestore):
-    """keras-mgpu's callback, timing each save's stall of the training
-    thread and its background write."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.save_seconds = []
-        self.write_seconds = []
-
-    def _save(self, epoch, step_in_epoch):
-        start = time.perf_counter()
-        try:
-            return super()._save(epoch, step_in_epoch)
-        finally:
-            self.save_seconds.append(time.perf_counter() - start)
-
-    def _write_generation(self, *args):
-        start = time.perf_counter()
-        try:
-            return super()._write_generation(*args)
-        finally:
-            self.write_seconds.append(time.perf_counter() - start)
 
 
 def build(features: int, width: int) -> keras.Model:

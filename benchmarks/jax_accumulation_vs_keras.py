@@ -32,7 +32,8 @@ measured side by side in the same run. Without accelerators the devices
 share the same CPU cores, so the figures show the mechanics (work per
 micro-batch, steps saved), not accelerator performance.
 
-`fit` waits for every fit step here (`WaitForEachStep`, below), so
+`fit` waits for every fit step here (`WaitForEachStep` in
+`_jax_accumulation.py`, with the methods), so
 methods that take a fit step per micro-batch (Keras's own, window mode)
 pay that wait N times per optimizer step, in-step mode and the big batch
 once. `--async-callbacks` leaves Keras's default, asynchronous batch
@@ -83,24 +84,12 @@ import keras_mgpu  # noqa: E402
 
 import jax  # noqa: E402
 import keras  # noqa: E402
-from _timing import EpochTimer, markdown_table  # noqa: E402
+from _jax_accumulation import (  # noqa: E402
+    ACCUM_STEPS, BIG, DESCRIPTIONS, KERAS, METHODS, fit_batch, fresh_session,
+    make_model, mlp, step_callbacks)
+from _timing import markdown_table, round_robin, timed_epoch  # noqa: E402
+from _timing import spread  # noqa: E402
 
-BIG = "big batch"
-KERAS = "Keras's own"
-WINDOW = "keras-mgpu window"
-IN_STEP = "keras-mgpu in_step"
-METHODS = (BIG, KERAS, WINDOW, IN_STEP)
-DESCRIPTIONS = {
-    BIG: "plain model, fit at the big batch (accum_steps x micro-batch); "
-         "the reference",
-    KERAS: "plain model, fit at the micro-batch, optimizer with "
-           "gradient_accumulation_steps=accum_steps",
-    WINDOW: "GradientAccumulationModel(mode='window'), fit at the "
-            "micro-batch",
-    IN_STEP: "GradientAccumulationModel(mode='in_step'), fit at the big "
-             "batch",
-}
-ACCUM_STEPS = 4
 MICRO_BATCH = 8
 SEED = 0
 FEATURES, WIDTH, CLASSES = 16, 32, 4
@@ -187,66 +176,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
-# --- Building and training --------------------------------------------------
-
-
-class WaitForEachStep(keras.callbacks.Callback):
-    """Makes `fit` wait for each step's logs before it dispatches the next.
-
-    A callback with its own `on_train_batch_end` turns off Keras's
-    asynchronous batch callbacks, with which the JAX trainer dispatches
-    steps without waiting for any: with 2 host devices on 2 busy cores,
-    epochs of a few hundred steps then at times stall in a step's
-    all-reduce (one device's share never joins the rendezvous), and XLA
-    aborts the process after 40 s. Any method, plain `fit` included.
-    Waiting for each step's logs keeps one step in flight.
-    """
-
-    def on_train_batch_end(self, batch, logs=None):
-        pass
-
-
-def step_callbacks(args: argparse.Namespace) -> list:
-    return [] if args.async_callbacks else [WaitForEachStep()]
-
-
-def fresh_session() -> None:
-    """Clears Keras's global state, then sets DataParallel again (the
-    distribution is part of that state)."""
-    keras.backend.clear_session()
-    keras.distribution.set_distribution(keras.distribution.DataParallel())
-
-
-def mlp(features: int, width: int, classes: int, depth: int) -> keras.Model:
-    return keras.Sequential(
-        [keras.Input((features,))]
-        + [keras.layers.Dense(width, activation="relu") for _ in range(depth)]
-        + [keras.layers.Dense(classes)],
-        name=f"mlp_{features}_{depth}x{width}_{classes}")
-
-
-def make_model(method: str, build: Callable[[], keras.Model],
-               initial: list, optimizer: Callable[[Optional[int]],
-                                                  keras.optimizers.Optimizer]
-               ) -> tuple[keras.Model, keras.Model]:
-    """The compiled model `fit` trains and the model holding the weights."""
-    inner = build()
-    inner.set_weights(initial)
-    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    if method in (WINDOW, IN_STEP):
-        mode = "window" if method == WINDOW else "in_step"
-        model = keras_mgpu.GradientAccumulationModel(
-            inner, accum_steps=ACCUM_STEPS, mode=mode)
-        model.compile(optimizer=optimizer(None), loss=loss)
-        return model, inner
-    accumulation = ACCUM_STEPS if method == KERAS else None
-    inner.compile(optimizer=optimizer(accumulation), loss=loss)
-    return inner, inner
-
-
-def fit_batch(method: str, micro_batch: int) -> int:
-    """The dataset batch: the micro-batch or the big batch."""
-    return micro_batch if method in (KERAS, WINDOW) else micro_batch * ACCUM_STEPS
+# --- Training -----------------------------------------------------------------
 
 
 def _int(variable) -> int:
@@ -312,10 +242,8 @@ def timing_data(batch: int, steps: int) -> tuple[np.ndarray, np.ndarray]:
 def train_epoch(model: keras.Model, x: np.ndarray, y: np.ndarray,
                 batch: int, args: argparse.Namespace) -> float:
     """Seconds of one epoch, without `fit`'s per-call setup."""
-    timer = EpochTimer()
-    model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0,
-              callbacks=[timer.start, *step_callbacks(args), timer.stop])
-    return timer.times[0]
+    return timed_epoch(model, x, y, batch_size=batch,
+                       callbacks=step_callbacks(args))
 
 
 def run_timing(args: argparse.Namespace) -> list[dict]:
@@ -343,13 +271,10 @@ def run_timing(args: argparse.Namespace) -> list[dict]:
         models.append(model)
         rows.append(row)
     live = [i for i, m in enumerate(models) if m is not None]
-    # Starting one place later each round: a burst of background load then
-    # hits every method alike, not whichever happened to be running.
-    for round_index in range(args.rounds):
-        for k in range(len(live)):
-            i = live[(k + round_index) % len(live)]
-            rows[i]["epoch_seconds"].append(
-                train_epoch(models[i], x, y, rows[i]["batch"], args))
+    timings = round_robin(len(live), args.rounds, lambda k: train_epoch(
+        models[live[k]], x, y, rows[live[k]]["batch"], args))
+    for i, seconds in zip(live, timings):
+        rows[i]["epoch_seconds"] = seconds
     samples = args.steps * args.batch
     updates = samples // (args.batch * ACCUM_STEPS)
     for row in rows:
@@ -360,8 +285,7 @@ def run_timing(args: argparse.Namespace) -> list[dict]:
         row["samples_per_second"] = samples / median
         row["optimizer_steps_per_second"] = updates / median
         row["fit_steps_per_second"] = row["fit_steps"] / median
-        row["spread"] = ((max(row["epoch_seconds"])
-                          - min(row["epoch_seconds"])) / median)
+        row["spread"] = spread(row["epoch_seconds"])
     keras_row = next(r for r in rows if r["method"] == KERAS)
     for row in rows:
         if "error" not in row and "error" not in keras_row:

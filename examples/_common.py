@@ -9,9 +9,9 @@ import os
 import shutil
 import sys
 
-from keras_mgpu_quiet import quiet_tensorflow
+import keras_mgpu
 
-quiet_tensorflow()
+keras_mgpu.quiet_tensorflow()
 
 import numpy as np  # noqa: E402
 

@@ -9,8 +9,12 @@ registers every serializable class with Keras. `keras_mgpu.tuner` imports
 keras-tuner only then, and raises `ImportError` with the install command
 when it is missing.
 
-To start TensorFlow without its C++ log lines, call
-`keras_mgpu_quiet.quiet_tensorflow()` before TensorFlow is imported.
+So a script can start with
+
+    import keras_mgpu
+    keras_mgpu.quiet_tensorflow()  # TensorFlow without its C++ log lines
+
+and `python -m keras_mgpu` runs the `keras-mgpu` command.
 """
 
 import importlib
@@ -23,7 +27,11 @@ from keras_mgpu._version import __version__  # noqa: E402,F401
 
 # Public names of the package root, and the module each comes from.
 _NAMES = {
+    "BackupAndRestore": "callbacks",
+    "DistributedLogger": "callbacks",
+    "FP32OutputHead": "layers",
     "GradientAccumulationModel": "accumulation",
+    "LossScaleMonitor": "callbacks",
     "auto_strategy": "strategy",
     "global_batch_size": "strategy",
     "is_chief": "strategy",
@@ -31,16 +39,21 @@ _NAMES = {
     "num_workers": "strategy",
     "worker_index": "strategy",
 }
+# Root names that need neither Keras nor TensorFlow.
+_LIGHT_NAMES = {"quiet_tensorflow": "quiet"}
 # Submodules imported on first attribute access (PEP 562).
 _SUBMODULES = _with_keras.CORE + (
-    "backend", "cli", "cluster", "launcher", "runtime", "slurm", "tuner")
+    "backend", "cli", "cluster", "launcher", "quiet", "runtime", "slurm",
+    "tuner")
+__all__ = sorted(_NAMES) + sorted(_LIGHT_NAMES) + ["__version__"]
 
 
-def __getattr__(name):
-    if name in _NAMES:
-        _with_keras.load()
-        value = getattr(importlib.import_module(
-            f"{__name__}.{_NAMES[name]}"), name)
+def __getattr__(name: str):
+    if name in _NAMES or name in _LIGHT_NAMES:
+        if name in _NAMES:
+            _with_keras.load()
+        module = _NAMES.get(name) or _LIGHT_NAMES[name]
+        value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
         globals()[name] = value
         return value
     if name in _SUBMODULES:
@@ -51,8 +64,8 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def __dir__():
-    return sorted(set(globals()) | set(_NAMES) | set(_SUBMODULES))
+def __dir__() -> list:
+    return sorted(set(globals()) | set(__all__) | set(_SUBMODULES))
 
 
 _with_keras.install()

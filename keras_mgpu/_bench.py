@@ -81,11 +81,11 @@ from keras_mgpu._bench_report import plot  # noqa: F401
 from keras_mgpu._version import __version__
 
 # Defined with the argument parser, which must not import TensorFlow.
-from keras_mgpu_args import MAX_REPLICAS  # noqa: F401
-from keras_mgpu_args import MODELS
-from keras_mgpu_args import PRECISIONS  # noqa: F401
-from keras_mgpu_args import parse_choice_list  # noqa: F401
-from keras_mgpu_args import parse_int_list  # noqa: F401
+from keras_mgpu._args import MAX_REPLICAS  # noqa: F401
+from keras_mgpu._args import MODELS
+from keras_mgpu._args import PRECISIONS  # noqa: F401
+from keras_mgpu._args import parse_choice_list  # noqa: F401
+from keras_mgpu._args import parse_int_list  # noqa: F401
 
 SCHEMA = "keras-mgpu-bench/2"
 NUM_CLASSES = 10
@@ -399,7 +399,7 @@ def combine(settings: Mapping[str, Any], policies: Mapping[str, str],
                         / ref["examples_per_s"],
                         "peak_memory_change": change,
                     })
-    gpus = max((out["gpus"] for out in outputs), key=len, default=[])
+    gpus: list = max((out["gpus"] for out in outputs), key=len, default=[])
     notes = [] if on_gpu else [CPU_NOTE]
     if 1 not in settings["replicas"]:
         notes.append(f"No 1-replica run: efficiencies are relative to "

@@ -68,7 +68,7 @@ from keras_mgpu.cluster.slurm import cluster_task
 
 # Feature (the pip extra of the same name) -> display names it needs; defined
 # with the argument parser, which must not import TensorFlow.
-from keras_mgpu_args import FEATURES
+from keras_mgpu._args import FEATURES
 
 SCHEMA = "keras-mgpu-doctor/1"
 
@@ -146,7 +146,7 @@ def _finding(level: str, code: str, message: str, advice: str = "") -> dict:
 
 def _strategy_description(kind: Optional[str], num_gpus: int,
                           num_workers: int, source: Optional[str]) -> str:
-    return {
+    descriptions: dict[Optional[str], str] = {
         "multi_worker": f"MultiWorkerMirroredStrategy over {num_workers} "
                         "workers (each mirroring over its local GPUs)",
         "mirrored": f"MirroredStrategy over {num_gpus} GPUs with NCCL "
@@ -154,7 +154,8 @@ def _strategy_description(kind: Optional[str], num_gpus: int,
         "one_device": "OneDeviceStrategy",
         "default": "the default strategy (one device: "
                    + ("GPU:0)" if num_gpus else "the CPU)"),
-    }.get(kind, f"none: fix {_source_name(source)} first")
+    }
+    return descriptions.get(kind, f"none: fix {_source_name(source)} first")
 
 
 def _source_name(source: Optional[str]) -> str:
@@ -255,7 +256,7 @@ def collect(
                 "warning", "topology_unreadable", str(e),
                 "Run `nvidia-smi topo -m` yourself to see the links."))
     tf_gpus = [d for d in devices if d.get("type") == "GPU"]
-    gpus = []
+    gpus: list[dict[str, Any]] = []
     for i, device in enumerate(tf_gpus):
         smi = smi_gpus[i] if i < len(smi_gpus) else {}
         gpus.append({
@@ -302,6 +303,7 @@ def collect(
             "Fix them, or set TF_CONFIG: auto_strategy() raises this same "
             "error."))
     else:
+        assert info is not None  # parsed without an error
         cluster.update(num_workers=info.num_workers, task_type=info.task_type,
                        task_index=info.task_index,
                        worker_index=info.worker_index, is_chief=info.is_chief,
@@ -326,6 +328,8 @@ def collect(
                 "auto_strategy() ignores it and trains locally.",
                 "Unset TF_CONFIG, or list every worker in cluster.worker."))
     if kind == "data_parallel":
+        # Only on JAX, whose devices were listed and processes placed.
+        assert jax_devices is not None and processes is not None
         strategy = {"kind": kind,
                     "description": _data_parallel_description(
                         processes, list(jax_devices)),
@@ -346,6 +350,7 @@ def collect(
     jax_accelerators = [d for d in jax_devices or ()
                         if not d.startswith("cpu:")]
     if on_jax and smi_gpus and not jax_accelerators:
+        assert jax_devices is not None  # listed above, on JAX
         findings.append(_finding(
             "warning", "gpus_invisible_to_jax",
             f"nvidia-smi lists {len(smi_gpus)} GPU(s) but JAX sees none "
@@ -370,8 +375,8 @@ def collect(
             findings.append(_finding(
                 "info", "no_gpu",
                 "No GPU visible: training runs on the CPU, "
-                + (f"{len(jax_devices)} replica(s), one per CPU device JAX "
-                   "sees." if on_jax else "one replica."),
+                + (f"{len(jax_devices or ())} replica(s), one per CPU device "
+                   "JAX sees." if on_jax else "one replica."),
                 "To exercise multi-replica code without GPUs, split the CPU "
                 "into logical devices: keras_mgpu.auto_strategy("
                 + ("virtual_cpus=N) gives a real DataParallel over N CPU "

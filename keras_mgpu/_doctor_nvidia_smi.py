@@ -72,7 +72,7 @@ def parse_topology(text: str) -> Optional[dict[str, Any]]:
     if header_at is None:
         return None
     gpus = [c for c in _cells(lines[header_at]) if re.fullmatch(r"GPU\d+", c)]
-    matrix = []
+    matrix: list[list[str]] = []
     for line in lines[header_at + 1:]:
         cells = _cells(line)
         if not cells or not cells[0]:
@@ -129,7 +129,7 @@ def parse_gpu_query(text: str) -> list[dict[str, Any]]:
         fields = [re.sub(r"\s*\[.*\]$", "", f.strip()) for f in
                   rows[0].split(",")]
         rows = rows[1:]
-    gpus = []
+    gpus: list[dict[str, Any]] = []
     for row in rows:
         values = dict(zip(fields, (v.strip() for v in row.split(","))))
         memory = re.match(r"(\d+)", values.get("memory.total", ""))

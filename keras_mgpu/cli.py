@@ -8,10 +8,11 @@ scaling, `launch` runs a supervised local cluster.
                      [--plot out.png]
     keras-mgpu launch --workers N [--max-restarts R] -- COMMAND [ARGS ...]
 
-The `keras-mgpu` console script is `keras_mgpu_cli.main`: it parses the
-arguments and then calls `run` here, which imports TensorFlow (quietly)
-for `doctor` and `bench` only: `launch` supervises its workers without
-it. Also runnable as `python -m keras_mgpu.cli ...`.
+The `keras-mgpu` console script is `main` here, also run by `python -m
+keras_mgpu`: it parses the arguments (`keras_mgpu._args`, standard library
+only) and then imports TensorFlow (quietly) for `doctor` and `bench` only:
+`launch` supervises its workers without it, and `--help` or a bad value
+answers at once.
 The JSON formats are documented in `keras_mgpu._doctor` and
 `keras_mgpu._bench`.
 """
@@ -25,10 +26,10 @@ import sys
 from typing import Optional, Sequence
 
 from keras_mgpu import launcher
-# The parser lives in a top-level module that imports no TensorFlow (see its
-# docstring); callers of keras_mgpu.cli.build_parser keep working.
-from keras_mgpu_args import build_parser, parse_args
-from keras_mgpu_quiet import quiet_tensorflow
+# build_parser is also this module's name for the parser, as before.
+from keras_mgpu._args import build_parser  # noqa: F401
+from keras_mgpu._args import parse_args
+from keras_mgpu.quiet import quiet_tensorflow
 
 EXIT_OK = 0
 EXIT_FINDING_ERROR = 1
@@ -204,20 +205,26 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Runs `keras-mgpu` with `argv` (default: the command line); the exit code.
+    """Runs `keras-mgpu` with `argv`; returns the exit code.
 
-    The console script is `keras_mgpu_cli.main`, which parses the arguments
-    before importing this module; this one serves `python -m keras_mgpu.cli`
-    and callers that already imported keras_mgpu.
+    The arguments are checked before TensorFlow is imported, so `--help` and
+    a bad value answer at once; `doctor` and `bench` then import TensorFlow
+    with `quiet_tensorflow()`, `launch` never does.
 
     Args:
         argv: Defaults to `None`, the command line (`sys.argv[1:]`).
+
+    Returns:
+        0 when the command succeeded, 1 when `doctor` found an error or
+        `bench` failed. Argument errors exit with 2 (`SystemExit`), as
+        argparse does.
 
     Example:
 
     >>> main(["bench", "--replicas", "0"])  # doctest: +SKIP
     usage: keras-mgpu bench ...
-    keras-mgpu bench: error: argument --replicas: --replicas: 0 is out of range...
+    keras-mgpu bench: error: argument --replicas: --replicas: 0 is out of \
+range; each value must be from 1 to 64.
     """
     return run(parse_args(argv))
 

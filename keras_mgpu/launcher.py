@@ -18,3 +18,9 @@ from keras_mgpu.cluster.supervisor import ATTEMPT_ENV  # noqa: F401
 from keras_mgpu.cluster.supervisor import launch  # noqa: F401
 from keras_mgpu.cluster.workers import free_ports  # noqa: F401
 from keras_mgpu.cluster.workers import run_local_workers  # noqa: F401
+
+__all__ = [
+    "launch", "run_local_workers", "free_ports", "LaunchResult", "LaunchError",
+    "Attempt", "WorkerResult", "WorkerError", "Target", "ATTEMPT_ENV",
+    "RESULT_ENV", "LAUNCH_RESTART_EXIT_CODES",
+]

@@ -20,6 +20,11 @@ from keras_mgpu.callbacks.loss_scale_monitor import LossScaleMonitor  # noqa: F4
 from keras_mgpu.callbacks.loss_scale_monitor import loss_scale  # noqa: F401
 from keras_mgpu.layers.fp32_output_head import FP32OutputHead
 
+__all__ = [
+    "set_policy", "choose_policy", "audit", "Finding",
+    "gpu_compute_capabilities", "LossScaleMonitor", "loss_scale",
+]
+
 logger = logging.getLogger(__name__)
 
 VALID_POLICIES = ("auto", "float32", "mixed_float16", "mixed_bfloat16")
@@ -82,7 +87,7 @@ def choose_policy(
             "a GPU did not report its compute capability, so half-precision "
             "support is unknown"
         )
-    weakest = min(tuple(cc) for cc in compute_capabilities)
+    weakest = min(tuple(cc) for cc in compute_capabilities if cc is not None)
     shown = f"{weakest[0]}.{weakest[1]}"
     if weakest >= (8, 0):
         return "mixed_bfloat16", (
@@ -310,7 +315,7 @@ def _crossentropy_kind(loss) -> tuple[str | None, bool]:
         name = getattr(loss.fn, "__name__", "")
         from_logits = bool(loss.get_config().get("from_logits", False))
         return _CROSSENTROPY_LOSSES.get(name), from_logits
-    name = getattr(loss, "__name__", None)
+    name = getattr(loss, "__name__", "")
     return _CROSSENTROPY_LOSSES.get(name), False
 
 

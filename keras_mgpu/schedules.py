@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import keras
+
+__all__ = ["ScaledSchedule"]
 
 
 @keras.saving.register_keras_serializable(package="keras_mgpu")
@@ -31,21 +35,23 @@ class ScaledSchedule(keras.optimizers.schedules.LearningRateSchedule):
     0.2
     """
 
-    def __init__(self, schedule, scale: float):
+    def __init__(self,
+                 schedule: keras.optimizers.schedules.LearningRateSchedule,
+                 scale: float):
         self.schedule = schedule
         self.scale = float(scale)
 
-    def __call__(self, step):
+    def __call__(self, step: Any) -> Any:
         return self.schedule(step) * self.scale
 
-    def get_config(self):
+    def get_config(self) -> dict:
         return {
             "schedule": keras.saving.serialize_keras_object(self.schedule),
             "scale": self.scale,
         }
 
     @classmethod
-    def from_config(cls, config):
+    def from_config(cls, config: dict) -> ScaledSchedule:
         config = dict(config)
         config["schedule"] = keras.saving.deserialize_keras_object(
             config["schedule"]

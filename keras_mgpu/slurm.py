@@ -11,3 +11,8 @@ from keras_mgpu.cluster.slurm import expand_tasks_per_node  # noqa: F401
 from keras_mgpu.cluster.slurm import gpu_share  # noqa: F401
 from keras_mgpu.cluster.slurm import job_port  # noqa: F401
 from keras_mgpu.cluster.slurm import slurm_task  # noqa: F401
+
+__all__ = [
+    "slurm_task", "SlurmTask", "cluster_task", "gpu_share", "job_port",
+    "expand_hostlist", "expand_tasks_per_node", "MAX_HOSTS",
+]

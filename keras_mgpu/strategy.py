@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-from typing import Any, Optional, Sequence, Union
+from typing import Any, ContextManager, Optional, Sequence, Union
 
 import keras
 import tensorflow as tf
@@ -27,9 +27,20 @@ from keras_mgpu.cluster import make_tf_config  # noqa: F401
 from keras_mgpu.cluster import parse_tf_config  # noqa: F401
 from keras_mgpu.cluster.slurm import cluster_task, gpu_share
 
+__all__ = [
+    "auto_strategy", "num_replicas", "global_batch_size", "num_workers",
+    "worker_index", "is_chief", "is_multi_worker", "strategy_kind",
+    "configure_virtual_cpus", "require_strategy", "of_model", "scope_of",
+    "current", "restore", "local_variable",
+    # keras_mgpu.cluster's, re-exported.
+    "ClusterInfo", "cluster_info", "make_tf_config", "parse_tf_config",
+    "GRPC_START_FAILED",
+]
+
 
 def strategy_kind(
-    info: ClusterInfo, num_gpus: int, virtual_cpus: Optional[int], devices
+    info: ClusterInfo, num_gpus: int, virtual_cpus: Optional[int],
+    devices: Optional[Sequence[str]]
 ) -> str:
     """Which strategy `auto_strategy` picks, without creating it.
 
@@ -317,6 +328,7 @@ def auto_strategy(
     elif devices is not None:
         _check_devices_exist(devices)
     if kind == "one_device":
+        assert devices is not None  # the one device given
         return tf.distribute.OneDeviceStrategy(devices[0])
     if kind == "default":
         return tf.distribute.get_strategy()
@@ -371,10 +383,13 @@ def _multi_worker_strategy(info: ClusterInfo, communication_options,
             communication_options=communication_options
         )
     except tf.errors.DeadlineExceededError:
+        # Only a startup_timeout makes the cluster's start time out.
+        assert startup_timeout is not None
         raise _startup_error(info, startup_timeout) from None
     except tf.errors.UnknownError as e:
         if GRPC_START_FAILED not in str(e):
             raise
+        assert info.task_type is not None  # a worker of the cluster
         address = info.cluster[info.task_type][info.task_index]
         # TensorFlow names no address; the port was free when it was
         # picked, and `keras-mgpu launch` restarts on fresh ones.
@@ -513,7 +528,7 @@ def of_model(model: keras.Model) -> Any:
     return backend.distribution().of_model(model)
 
 
-def scope_of(model: keras.Model):
+def scope_of(model: keras.Model) -> ContextManager[Any]:
     """The scope to create or assign `model`'s variables in (the
     strategy's scope; on JAX the distribution's, or none)."""
     return backend.distribution().scope_of(model)
@@ -533,7 +548,7 @@ def restore(distribution: Any) -> None:
     backend.distribution().restore(distribution)
 
 
-def local_variable(value, dtype: tf.DType) -> tf.Variable:
+def local_variable(value: Any, dtype: tf.DType) -> tf.Variable:
     """A non-trainable variable that is this process's own, even inside a
     strategy scope.
 

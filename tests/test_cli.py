@@ -2,7 +2,7 @@
 
 GPU machines are exercised through recorded `nvidia-smi` output in
 `tests/fixtures/nvidia_smi/`; the bench runs for real on logical CPUs once,
-with tiny steps. The console script (`keras_mgpu_cli`) runs as installed, in
+with tiny steps. The console script (`keras_mgpu.cli:main`) runs as installed, in
 child processes: `--help` and argument errors must not import TensorFlow,
 and `quiet_tensorflow` is checked against the real TensorFlow's start-up
 lines and against a stand-in `tensorflow` module that prints known ones.
@@ -17,7 +17,7 @@ import textwrap
 
 import pytest
 
-import keras_mgpu_cli
+from keras_mgpu import _args
 from keras_mgpu import _bench
 from keras_mgpu import _doctor
 from keras_mgpu import cli
@@ -521,9 +521,8 @@ def console_script() -> str:
         "`pip install -e .`.")
     with open(path) as f:
         text = f.read()
-    assert "keras_mgpu_cli" in text, (
-        f"{path} is an older install (it imports keras_mgpu.cli, and so "
-        "TensorFlow, first): reinstall with `pip install -e .`.")
+    assert "from keras_mgpu.cli import main" in text, (
+        f"{path} is an older install: reinstall with `pip install -e .`.")
     return path
 
 
@@ -572,22 +571,22 @@ def test_console_script_answers_without_tensorflow(argv, code, named):
     assert done.returncode == code, done.stderr[-3000:]
     assert named in (done.stdout if code == 0 else done.stderr)
     modules = imported_modules(done.stderr)
-    assert "keras_mgpu_cli" in modules  # the import log is read right
-    assert not {"tensorflow", "keras", "keras_mgpu"} & modules
+    assert "keras_mgpu" in modules  # the import log is read right
+    assert not {"tensorflow", "keras"} & modules
 
 
 def test_moved_names_are_the_same_objects():
-    # Defined once, in keras_mgpu_cli; the old homes keep working.
-    assert _bench.parse_int_list is keras_mgpu_cli.parse_int_list
-    assert _bench.parse_choice_list is keras_mgpu_cli.parse_choice_list
-    assert _bench.MODELS is keras_mgpu_cli.MODELS
-    assert _bench.PRECISIONS is keras_mgpu_cli.PRECISIONS
-    assert _bench.MAX_REPLICAS == keras_mgpu_cli.MAX_REPLICAS
-    assert _doctor.FEATURES is keras_mgpu_cli.FEATURES
+    # Defined once, in keras_mgpu._args; the old homes keep working.
+    assert _bench.parse_int_list is _args.parse_int_list
+    assert _bench.parse_choice_list is _args.parse_choice_list
+    assert _bench.MODELS is _args.MODELS
+    assert _bench.PRECISIONS is _args.PRECISIONS
+    assert _bench.MAX_REPLICAS == _args.MAX_REPLICAS
+    assert _doctor.FEATURES is _args.FEATURES
     assert set(_doctor.FEATURES) == {"tuner", "profile", "wandb"}
     assert all(name in _doctor.OPTIONAL_PACKAGES
                for names in _doctor.FEATURES.values() for name in names)
-    assert cli.build_parser is keras_mgpu_cli.build_parser
+    assert cli.build_parser is _args.build_parser
 
 
 # --- quiet_tensorflow --------------------------------------------------------------
@@ -613,9 +612,9 @@ def run_quiet_tensorflow(level=None, path=()):
     # then imports it (if it did not) as the program would.
     code = textwrap.dedent("""
         import os, sys
-        import keras_mgpu_cli
+        import keras_mgpu
         try:
-            keras_mgpu_cli.quiet_tensorflow()
+            keras_mgpu.quiet_tensorflow()
         finally:
             print(os.environ.get("TF_CPP_MIN_LOG_LEVEL"))
             print("tensorflow" in sys.modules, flush=True)
@@ -695,7 +694,7 @@ def test_quiet_tensorflow_after_tensorflow_warns(tmp_path):
     code = textwrap.dedent("""
         import warnings
         import tensorflow
-        from keras_mgpu_quiet import quiet_tensorflow
+        from keras_mgpu import quiet_tensorflow
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             quiet_tensorflow()

@@ -29,7 +29,7 @@ MODULES = _modules_with_examples()
 def test_the_documented_modules_are_found():
     # The walk finds the modules whose examples must run, not none.
     for name in ("keras_mgpu.strategy", "keras_mgpu.accumulation.model",
-                 "keras_mgpu.data.reader", "keras_mgpu_args"):
+                 "keras_mgpu.data.reader", "keras_mgpu._args"):
         assert name in MODULES
 
 

@@ -204,7 +204,13 @@ def test_every_example_has_a_ctrl_c_test():
     assert names == set(CTRL_C) | {"demo.py"}  # the demo: its fixture
 
 
-@pytest.mark.parametrize("name", CTRL_C)
+# Those that resume, the multi-worker parent and one that does not; the
+# other examples stop through the same `examples/_interrupt.py` (`make
+# test-all`).
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=() if CTRL_C[name][2] or name in (
+        "accumulation.py", "multi_worker.py") else pytest.mark.exhaustive)
+    for name in CTRL_C])
 def test_ctrl_c_ends_with_one_line_and_a_rerun_resumes(name, tmp_path):
     args, marker, resumes = CTRL_C[name]
     env = dict(example_env(), TF_CPP_MIN_LOG_LEVEL="3")

@@ -2,9 +2,11 @@
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
+import zipfile
 
 import keras
 import numpy as np
@@ -139,3 +141,64 @@ def test_console_line_starts_its_own_line_after_keras_epoch(verbose, capsys,
                 out
     if not verbose:
         assert ours == [0, 1], out  # no bar: printed at each epoch's end
+
+
+# --- One import name --------------------------------------------------------------
+
+
+def test_the_root_names_are_the_components_own():
+    out = run_python("""
+        import sys, keras_mgpu
+        keras_mgpu.quiet_tensorflow
+        print("keras" in sys.modules, "tensorflow" in sys.modules)
+        for name in sorted(set(keras_mgpu.__all__) - {"__version__"}):
+            value = getattr(keras_mgpu, name)
+            module = sys.modules[value.__module__]
+            print(name, getattr(module, name) is value,
+                  value.__module__.startswith("keras_mgpu."))
+    """)
+    lines = out.splitlines()
+    # Naming quiet_tensorflow imports neither Keras nor TensorFlow.
+    assert lines[0] == "False False"
+    names = [line.split()[0] for line in lines[1:]]
+    assert {"DistributedLogger", "BackupAndRestore", "quiet_tensorflow",
+            "GradientAccumulationModel", "auto_strategy"} <= set(names)
+    assert all(line.endswith("True True") for line in lines[1:]), lines
+
+
+def test_python_dash_m_runs_the_command_without_tensorflow():
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "keras_mgpu", "--help"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("usage: keras-mgpu ")
+    imported = {line.rsplit("|", 1)[-1].strip().split(".")[0]
+                for line in done.stderr.splitlines()
+                if line.startswith("import time:")}
+    assert "keras_mgpu" in imported
+    assert not {"keras", "tensorflow"} & imported
+
+
+def test_the_wheel_installs_one_top_level_name(tmp_path):
+    # From a copy of what the build reads (no build/ left over from an
+    # earlier one), with the environment's setuptools: no download.
+    source = tmp_path / "source"
+    shutil.copytree(os.path.join(ROOT, "keras_mgpu"), source / "keras_mgpu",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "setup.cfg", "README.md", "LICENSE"):
+        shutil.copy(os.path.join(ROOT, name), source)
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps",
+         "--no-build-isolation", "-w", str(tmp_path), str(source)],
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [wheel] = tmp_path.glob("keras_mgpu-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        [info] = {n.split("/")[0] for n in names if ".dist-info/" in n}
+        entry_points = archive.read(f"{info}/entry_points.txt").decode()
+        top_level = archive.read(f"{info}/top_level.txt").decode().split()
+    installed = {n.split("/")[0] for n in names} - {info}
+    assert installed == {"keras_mgpu"} and top_level == ["keras_mgpu"]
+    assert "keras_mgpu/py.typed" in names
+    assert "keras-mgpu = keras_mgpu.cli:main" in entry_points

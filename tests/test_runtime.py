@@ -136,8 +136,11 @@ def check_records(records, full_records, saved_steps):
     # One device plain, mirrored accumulated, and both under two workers
     # (one device accumulated: tests/test_backup_and_restore.py's
     # test_sigkill_at_several_steps_resumes_exactly).
+    # Two workers plain: `make test-all` (their resume is the accumulated
+    # one's, without the window).
     ("default", False), ("mirrored", True),
-    ("multi_worker", False), ("multi_worker", True),
+    pytest.param("multi_worker", False, marks=pytest.mark.exhaustive),
+    ("multi_worker", True),
 ], ids=["default-plain", "mirrored-accumulated", "multi_worker-plain",
         "multi_worker-accumulated"])
 def test_killed_run_resumes_exactly_with_continuous_logs(

@@ -14,3 +14,8 @@ from keras_mgpu.accumulation.model import MODES  # noqa: F401
 from keras_mgpu.accumulation.model import GradientAccumulationModel  # noqa: F401
 from keras_mgpu.accumulation.window import MIN_LOSS_SCALE  # noqa: F401
 from keras_mgpu.accumulation.window import PARTIAL_WINDOW_MODES  # noqa: F401
+
+__all__ = [
+    "GradientAccumulationModel", "MODES", "PARTIAL_WINDOW_MODES",
+    "MAX_ACCUM_STEPS", "MIN_LOSS_SCALE",
+]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import weakref
+from typing import TYPE_CHECKING, Any
 
 import keras
 
@@ -13,15 +14,25 @@ from keras_mgpu.accumulation.window import (
     PARTIAL_WINDOW_MODES, _WindowEnd, _WindowMixin)
 
 MODES = ("window", "in_step")
+"""The `mode` values of `GradientAccumulationModel`: `"window"` (each dataset
+batch is a micro-batch) and `"in_step"` (each is split inside the step)."""
 
 # The largest `accum_steps`: in-step mode splits a batch in 32-bit integer
 # arithmetic (TensorFlow's `tf.shape`).
 MAX_ACCUM_STEPS = 2**31 - 1
+"""The largest `accum_steps` of `GradientAccumulationModel` (2**31 - 1)."""
+
+if TYPE_CHECKING:
+    # The active backend's; type checkers read TensorFlow's.
+    from keras_mgpu.backend.tensorflow.accumulation import (
+        AccumulationSteps as _AccumulationSteps)
+else:
+    _AccumulationSteps = backend.active().AccumulationSteps
 
 
 @keras.saving.register_keras_serializable(package="keras_mgpu")
 class GradientAccumulationModel(_WindowMixin,
-                                backend.active().AccumulationSteps,
+                                _AccumulationSteps,
                                 keras.Model):
     """Wraps a model so that `fit` takes one optimizer step per N micro-batches.
 
@@ -173,7 +184,7 @@ class GradientAccumulationModel(_WindowMixin,
         partial_window: str = "apply",
         log_window: bool = False,
         mode: str = "window",
-        **kwargs,
+        **kwargs: Any,
     ):
         self._check_backend_support()
         _validate(model, accum_steps, partial_window, mode)

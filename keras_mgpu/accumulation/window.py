@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from typing import TYPE_CHECKING
 
 import keras
 
@@ -14,9 +15,16 @@ from keras_mgpu.backend._accumulation import MIN_LOSS_SCALE  # noqa: F401
 from keras_mgpu.backend._accumulation import accumulator_dtype
 
 PARTIAL_WINDOW_MODES = ("apply", "carry", "drop")
+"""The `partial_window` values of `GradientAccumulationModel`: what happens
+to a window the end of an epoch cuts short."""
+
+if TYPE_CHECKING:
+    from keras_mgpu.backend._accumulation import AccumulationHost as _Host
+else:
+    _Host = object
 
 
-class _WindowMixin:
+class _WindowMixin(_Host):
     """The window's variables and public state."""
 
     def _create_state(self):
@@ -171,16 +179,22 @@ class _WindowMixin:
 class _WindowEnd(keras.callbacks.Callback):
     """Applies, carries or drops the partial window before anything else."""
 
-    def __init__(self, wrapper):
+    def __init__(self, wrapper: _WindowMixin):
         super().__init__()
         self._wrapper = weakref.ref(wrapper)
 
     def on_test_begin(self, logs=None):
         # `fit` runs validation with its own callback list, before
         # `on_epoch_end`: validate the weights the epoch ends with.
-        self._wrapper()._finish_epoch()
+        self._wrapped()._finish_epoch()
 
     def on_epoch_end(self, epoch, logs=None):
-        self._wrapper()._finish_epoch()
+        self._wrapped()._finish_epoch()
+
+    def _wrapped(self) -> _WindowMixin:
+        wrapper = self._wrapper()
+        # Alive: the wrapper's own `fit` runs this callback.
+        assert wrapper is not None
+        return wrapper
 
 

@@ -11,3 +11,10 @@ from keras_mgpu.callbacks.telemetry import LogDirInUse  # noqa: F401
 from keras_mgpu.callbacks.telemetry import DistributedLogger  # noqa: F401
 from keras_mgpu.callbacks.telemetry import input_wait_summary  # noqa: F401
 from keras_mgpu.callbacks.loss_scale_monitor import LossScaleMonitor  # noqa: F401
+
+__all__ = [
+    "BackupAndRestore", "DistributedLogger", "LossScaleMonitor",
+    "BackupDirInUse", "LogDirInUse", "register_callback_state",
+    "list_presets", "input_wait_summary", "JSONL_KEYS", "RESTART_EXIT_CODE",
+    "RETRIED_EXIT_CODES",
+]

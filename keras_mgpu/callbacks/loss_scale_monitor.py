@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from typing import Any, Optional
 
 import keras
 import numpy as np
@@ -12,7 +13,7 @@ from keras_mgpu.layers.fp32_output_head import FP32OutputHead
 from keras_mgpu.runtime import RuntimeCallback
 
 
-def loss_scale(optimizer) -> float | None:
+def loss_scale(optimizer: Any) -> float | None:
     """The current dynamic loss scale of `optimizer`, or None if not loss-scaled.
 
     Args:
@@ -123,13 +124,14 @@ class LossScaleMonitor(RuntimeCallback):
         self.skipped_steps = 0
         self.skipped_steps_total = 0
         self.consecutive_skips = 0
-        self.loss_scale = None
-        self.nonfinite_counts = {}
-        self._last_counts = None
+        self.loss_scale: Optional[float] = None
+        self.nonfinite_counts: dict[str, dict[str, int]] = {}
+        # (attempted, applied) optimizer updates after the last batch.
+        self._last_counts: Optional[tuple] = None
         self._warned_low_scale = False
-        self._heads = []
-        self._head_totals = None
-        self._shown_heads = set()
+        self._heads: list[FP32OutputHead] = []
+        self._head_totals: Optional[dict[str, dict[str, int]]] = None
+        self._shown_heads: set[str] = set()
 
     def _optimizer(self):
         return getattr(self.model, "optimizer", None)
@@ -162,6 +164,7 @@ class LossScaleMonitor(RuntimeCallback):
         super().on_train_batch_end(batch, logs)
         logs = logs if logs is not None else {}
         attempted, applied = self.runtime.update_counts()
+        assert self._last_counts is not None  # read at the batch's begin
         last_attempted, last_applied = self._last_counts
         self._last_counts = attempted, applied
         if attempted > last_attempted:
@@ -206,12 +209,14 @@ class LossScaleMonitor(RuntimeCallback):
         if not self._heads:
             return
         totals = self._read_heads()
+        head_totals = self._head_totals
+        assert head_totals is not None  # read at train begin
         for name, counts in totals.items():
             epoch = self.nonfinite_counts.setdefault(
                 name, {"inputs": 0, "outputs": 0})
             for kind, value in counts.items():
                 # A head's counts only grow, unless reset by hand.
-                epoch[kind] += max(value - self._head_totals[name][kind], 0)
+                epoch[kind] += max(value - head_totals[name][kind], 0)
             if epoch["inputs"] or epoch["outputs"]:
                 self._shown_heads.add(name)
         self._head_totals = totals

@@ -20,3 +20,8 @@ from keras_mgpu.cluster.tf_config import ClusterInfo  # noqa: F401
 from keras_mgpu.cluster.tf_config import cluster_info  # noqa: F401
 from keras_mgpu.cluster.tf_config import make_tf_config  # noqa: F401
 from keras_mgpu.cluster.tf_config import parse_tf_config  # noqa: F401
+
+__all__ = [
+    "ClusterInfo", "cluster_info", "make_tf_config", "parse_tf_config",
+    "GRPC_START_FAILED",
+]

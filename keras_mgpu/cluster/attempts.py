@@ -99,10 +99,17 @@ def ending(number: int, results: Sequence[WorkerResult], first: Sequence[int],
     if not failed:
         return Attempt(number, "finished", False, codes)
     why = "; ".join(_why(r, labels) for r in failed)
-    restartable = all(r.returncode < 0 or r.returncode in restart_codes
+    restartable = all(_status(r) < 0 or r.returncode in restart_codes
                       or _port_taken(r) for r in failed)
     return Attempt(number, why, restartable, codes,
                    tuple(r.index for r in failed))
+
+
+def _status(result: WorkerResult) -> int:
+    """The exit status of a worker that has ended (as every failed one
+    has)."""
+    assert result.returncode is not None
+    return result.returncode
 
 
 def _port_taken(result: WorkerResult) -> bool:

@@ -68,9 +68,10 @@ class Echo:
                  held_as: str = "run"):
         self.stream, self.files, self.labels = stream, files, labels
         self._held_as = held_as
-        self._offsets, self._streams = {}, {}
+        self._offsets: dict[str, int] = {}
+        self._streams: dict[str, _Stream] = {}
         self._failed: Sequence[int] = ()
-        self._held = {}
+        self._held: dict[int, _Held] = {}
 
     def failed(self, first: Sequence[int]) -> None:
         """From now on, the output of every worker but `first` (whose

@@ -16,6 +16,8 @@ from typing import NamedTuple
 # that reruns by exit code reruns without being told (130, 137, 138, 143),
 # the one that says what happened (75, EX_TEMPFAIL, fails a TFJob for good).
 RESTART_EXIT_CODE = 143
+"""The exit code `BackupAndRestore` ends a process with after its SIGTERM
+save (128 + SIGTERM): one that job runners rerun a job for."""
 
 _NONZERO = frozenset(range(1, 256))
 
@@ -93,6 +95,9 @@ RETRIED_EXIT_CODES = {
         source="https://slurm.schedmd.com/slurm.conf.html#OPT_RequeueExit",
     ),
 }
+"""Which exit codes each common job runner reruns a job for: a
+`SchedulerRetry` (runner, setting, codes, note, source) by runner key
+(`"tfjob"`, `"kubernetes"`, `"vertex"`, `"slurm"`)."""
 
 
 def _codes_text(codes: frozenset) -> str:
@@ -108,6 +113,8 @@ def _codes_text(codes: frozenset) -> str:
 # them, the presets' 143, and 138 for users' own retryable errors), less
 # 130: Ctrl-C is someone stopping the job.
 LAUNCH_RESTART_EXIT_CODES = RETRIED_EXIT_CODES["tfjob"].codes - {130}
+"""The exit codes `keras-mgpu launch` restarts a cluster for (137, 138,
+143), besides a worker a signal ended."""
 
 
 def exit_code_table() -> str:

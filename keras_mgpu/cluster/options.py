@@ -20,12 +20,17 @@ from keras_mgpu._checks import (
     is_positive_integer,
 )
 from keras_mgpu.cluster.processes import check_open_files
-from keras_mgpu_args import check_program
+from keras_mgpu._args import check_program
 
 # The file a function target's JSON result is written to, and a script's.
 RESULT_ENV = "KERAS_MGPU_RESULT"
+"""The environment variable naming the file a worker's JSON result is
+written to (a function target's return value, or a script's own)."""
 
 Target = Union[str, Sequence[str], Callable[..., Any]]
+"""What `launch` and `run_local_workers` run in each worker: a script path
+or `"module:function"` string, a command line (a list of strings) or a
+module-level function."""
 
 
 def _command(target: Target, kwargs: Mapping[str, Any], args: Sequence[str]):

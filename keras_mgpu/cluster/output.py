@@ -90,7 +90,8 @@ class _Marker:
 
     def __init__(self, text: str):
         self._text = text.encode()
-        self._offsets, self._carry = {}, {}
+        self._offsets: dict[str, int] = {}
+        self._carry: dict[str, bytes] = {}
 
     def seen(self, files) -> bool:
         keep = len(self._text) - 1

@@ -209,6 +209,8 @@ def expand_tasks_per_node(text: str) -> list:
 # More nodes than any SLURM cluster has; a list longer than this is a
 # corrupt variable, which expanded would exhaust memory.
 MAX_HOSTS = 65536
+"""The most nodes a SLURM host list may expand to; a longer one is refused
+as corrupt."""
 
 
 def _check_count(count: int, what: str, where: str) -> None:
@@ -256,11 +258,12 @@ class _Numbers:
     """A bracket's numbers (`01-04,07`), zero-padded as written."""
 
     def __init__(self, body: str, item: str, text: str):
-        self._ranges = []
+        self._ranges: list[tuple[int, int, int]] = []
         for part in body.split(","):
             match = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
-            low = None if match is None else int(match.group(1))
-            high = None if match is None else int(match.group(2) or low)
+            if match is not None:
+                low = int(match.group(1))
+                high = int(match.group(2) or low)
             if match is None or high < low:
                 raise ValueError(
                     f"SLURM_STEP_NODELIST={text!r}: [{part}] in {item!r} is "

@@ -30,10 +30,12 @@ from keras_mgpu.cluster.signals import Stopped
 from keras_mgpu.cluster.signals import StopSignals
 from keras_mgpu.cluster.signals import stopped_message
 from keras_mgpu.cluster.workers import _run_cluster
-from keras_mgpu_args import DEFAULT_GRACE_PERIOD
+from keras_mgpu._args import DEFAULT_GRACE_PERIOD
 
 # The attempt number `launch` gives each worker: 1, then 2 after a restart.
 ATTEMPT_ENV = "KERAS_MGPU_ATTEMPT"
+"""The environment variable holding the attempt number `launch` gives each
+worker: 1, then 2 after a restart, and so on."""
 
 
 def launch(
@@ -136,7 +138,7 @@ def launch(
     num_workers = options.worker_count(num_workers)
     command, labels, extras = options.worker_setup(
         target, num_workers, kwargs, args, env, cwd, labels)
-    attempts = []
+    attempts: list[_attempts.Attempt] = []
     with StopSignals() as stop:
         try:
             return _supervise(

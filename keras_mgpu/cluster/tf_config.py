@@ -20,6 +20,8 @@ from typing import Mapping, Optional, Sequence
 
 # TensorFlow's error when a worker cannot listen on its cluster address.
 GRPC_START_FAILED = "Could not start gRPC server"
+"""TensorFlow's error text when a worker cannot listen on its cluster
+address (a port taken): `launch` starts such an attempt again."""
 
 _TRAINING_TASK_TYPES = ("chief", "worker")
 _KNOWN_TASK_TYPES = ("chief", "worker", "evaluator", "ps")
@@ -127,7 +129,7 @@ def parse_tf_config(value: Optional[str] = None) -> ClusterInfo:
             )
         for address in addresses:
             _check_address(task_type, address)
-    seen = {}
+    seen: dict[str, str] = {}
     for task_type, addresses in cluster.items():
         for index, address in enumerate(addresses):
             where = f"{task_type}:{index}"

@@ -39,7 +39,7 @@ from keras_mgpu.cluster.processes import kill_all
 from keras_mgpu.cluster.processes import stop_gracefully
 from keras_mgpu.cluster.processes import tied_to_launcher
 from keras_mgpu.cluster.tf_config import make_tf_config
-from keras_mgpu_args import DEFAULT_GRACE_PERIOD
+from keras_mgpu._args import DEFAULT_GRACE_PERIOD
 
 
 def free_ports(n: int) -> list:
@@ -169,7 +169,8 @@ def _run_cluster(command: list, num_workers: int, extras: list, *,
     `signals.Stopped` when `stop` (a `signals.StopSignals`) is asked to,
     the workers given SIGTERM and `grace_period` seconds first."""
     addresses = [f"localhost:{p}" for p in free_ports(num_workers)]
-    procs, files = [], []
+    procs: list[subprocess.Popen] = []
+    files: list[tuple[TextIO, TextIO]] = []
     echoer = Echo(echo, files, labels, held_as)
     # Holds each worker's stdout, stderr and result file until they are read
     # into its WorkerResult; removed however the run ends.
@@ -227,7 +228,7 @@ def _wait(procs, files, timeout, marker, to_kill, kill_signal, echo: Echo,
     stopped after a failure (or by the watchdog), those whose failure was
     seen first, and why the watchdog stopped them (or None)."""
     deadline = None if timeout is None else time.monotonic() + timeout
-    killed = set()
+    killed: set[int] = set()
     watch = None if marker is None else _Marker(marker)
     while True:
         if stop is not None and stop.signum is not None:

@@ -125,3 +125,12 @@ from keras_mgpu.compat.train_loop import epoch_iterator_reads_on  # noqa: F401
 from keras_mgpu.compat.train_loop import fit_epoch_iterator  # noqa: F401
 from keras_mgpu.compat.train_loop import instrumented_train_function  # noqa: F401
 from keras_mgpu.compat.train_loop import timed_train_function  # noqa: F401
+
+# The public, documented part: what users read or catch (the tested Keras
+# versions, the warning and error, the workaround records). The other names
+# above are keras-mgpu's own adapters, for its modules' `compat.<name>` use.
+__all__ = [
+    "TESTED_KERAS", "VersionRange", "keras_version", "warn_if_untested",
+    "UntestedKerasWarning", "KerasInternalsError", "Workaround", "WORKAROUNDS",
+    "workarounds_table",
+]

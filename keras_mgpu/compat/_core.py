@@ -20,6 +20,7 @@ import importlib
 import inspect
 import threading
 import warnings
+from typing import Union
 
 import keras
 from packaging.version import Version
@@ -51,7 +52,7 @@ class VersionRange:
     high: str
     nightlies: tuple = ()
 
-    def contains(self, version) -> bool:
+    def contains(self, version: Union[str, Version]) -> bool:
         """Whether `version` (a string or `Version`) lies in the range or
         is one of its nightlies."""
         version = _parse(str(version))
@@ -74,6 +75,8 @@ def _parse(version: str) -> Version:
 # noxfile's `nightly` environment passed on.
 TESTED_KERAS = VersionRange("3.10.0", "3.15.1",
                             nightlies=("3.16.0.dev2026102704",))
+"""The Keras versions keras-mgpu's suite has run on (a `VersionRange`):
+`warn_if_untested` warns outside it."""
 
 
 class KerasInternalsError(RuntimeError):
@@ -95,7 +98,7 @@ def keras_version() -> Version:
     return _parse(keras.__version__)
 
 
-_warned_versions = set()
+_warned_versions: set[str] = set()
 
 
 def warn_if_untested() -> bool:

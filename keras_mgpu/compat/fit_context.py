@@ -131,8 +131,8 @@ def _wrap(trainer, iterator_class) -> None:
             if fits and fits[-1].epoch_iterator is None:
                 fits[-1].epoch_iterator = self
 
-        recorded_fit.keras_stock = fit
-        recorded_init.keras_stock = make_iterator
+        setattr(recorded_fit, "keras_stock", fit)
+        setattr(recorded_init, "keras_stock", make_iterator)
         trainer.fit = recorded_fit
         iterator_class.__init__ = recorded_init
         _recording = True

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from typing import Any
 
 import keras
 
@@ -40,7 +41,7 @@ _JAX_NN = "keras.src.backend.jax.nn"
 # id(output) -> (weak reference to output, logits, activation name). Taken
 # out when the output is collected; reentrant, for a collection that
 # happens while the lock is held.
-_remembered = {}
+_remembered: dict[int, tuple[weakref.ref, Any, str]] = {}
 _remembered_lock = threading.RLock()
 
 

@@ -94,7 +94,7 @@ def enable_uneven_last_batches() -> bool:
                         d, sharding), data)
             return current(data, layouts)
 
-        distribute_data.keras_mgpu_original = current
+        setattr(distribute_data, "keras_mgpu_original", current)
         module._distribute_data = distribute_data
         return True
 
@@ -199,7 +199,7 @@ def _synchronized_moments(original):
         return _moments_across(original, x, axes, keepdims, names[-1])
 
     moments.__doc__ = original.__doc__
-    moments.keras_mgpu_original = original
+    setattr(moments, "keras_mgpu_original", original)
     return moments
 
 

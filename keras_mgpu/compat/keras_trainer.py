@@ -5,6 +5,8 @@ the `steps_per_execution` fix for several replicas (keras-team/keras#19246).
 
 from __future__ import annotations
 
+from typing import Any
+
 import keras
 
 from keras_mgpu.compat._core import (
@@ -31,7 +33,7 @@ def active_trainer_module() -> str:
 
 
 def trainer_class(used_for: str = _MULTI_STEP_FIX,
-                  module_name: str = _TF_TRAINER) -> type:
+                  module_name: str = _TF_TRAINER) -> type[Any]:
     """Keras's trainer: the class of `module_name` (default: the TensorFlow
     trainer's module) that `keras.Model` derives from (`TensorFlowTrainer`
     up to Keras 3.15, `Trainer` since keras-team/keras#23397).
@@ -164,7 +166,7 @@ def enable_multi_worker_fit() -> bool:
             with strategy.scope():
                 self._symbolic_build(data_batch=data_batch)
 
-        _maybe_symbolic_build.keras_stock = original_build
+        setattr(_maybe_symbolic_build, "keras_stock", original_build)
         tf_trainer.reduce_per_replica = reduce_per_replica
         trainer._maybe_symbolic_build = _maybe_symbolic_build
         _multi_worker_fit_enabled = True
@@ -302,7 +304,7 @@ def enable_multi_step_fit() -> bool:
 
             return function
 
-        _make_function.keras_stock = original
+        setattr(_make_function, "keras_stock", original)
         trainer._make_function = _make_function
         _multi_step_fit_enabled = True
     return True

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import os
 import weakref
+from typing import Any
 
 from keras_mgpu.compat._core import (
     KerasInternalsError,
@@ -109,7 +110,7 @@ _tuner_state_fix_enabled = False
 # is left, so a worker that asks for its first trial after the others got
 # STOPPED (on the rerun of a finished search, say) finds it gone.
 TUNER_IDS_ENV = "KERAS_MGPU_TUNER_IDS"
-_expecting = weakref.WeakSet()
+_expecting: weakref.WeakSet[Any] = weakref.WeakSet()  # oracles
 
 
 def enable_tuner_state_fix() -> bool:

@@ -7,6 +7,7 @@ scales.
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import keras
 
@@ -14,7 +15,7 @@ from keras_mgpu.compat._core import _lock, _require, _require_module
 from keras_mgpu.compat.registry import _EXACT_CLIPPING, _TUNER
 
 
-def _tf_optimizer_class(used_for: str) -> type:
+def _tf_optimizer_class(used_for: str) -> type[Any]:
     return _require(
         _require_module("keras.src.backend.tensorflow.optimizer", used_for),
         "TFOptimizer", used_for)
@@ -242,8 +243,8 @@ def enable_exact_clipping() -> bool:
                 _reduced_here.grads = [g for g, _ in reduced if g is not None]
             return reduced
 
-        _clip_gradients.keras_stock = clip
-        _all_reduce_sum_gradients.keras_stock = all_reduce
+        setattr(_clip_gradients, "keras_stock", clip)
+        setattr(_all_reduce_sum_gradients, "keras_stock", all_reduce)
         TFOptimizer._clip_gradients = _clip_gradients
         TFOptimizer._all_reduce_sum_gradients = _all_reduce_sum_gradients
         _exact_clipping_enabled = True

@@ -40,7 +40,7 @@ class Workaround:
     remove_when: str
 
 
-_RECORDS = []
+_RECORDS: list[Workaround] = []
 
 
 def _workaround(name: str, **fields) -> str:
@@ -258,6 +258,8 @@ _TUNER_BEST = _workaround(
 
 # Every record, in the order of docs/compatibility.md's table.
 WORKAROUNDS = tuple(_RECORDS)
+"""Every workaround of an upstream bug or limitation keras-mgpu applies, a
+`Workaround` record each, in the order of docs/compatibility.md's table."""
 _WORKAROUNDS = tuple(record.name for record in WORKAROUNDS)
 
 

@@ -7,7 +7,7 @@ in between.
 from __future__ import annotations
 
 import functools
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -238,7 +238,8 @@ def load_weights_file(model, data: bytes) -> None:
 
     load_state = _load_state()
     store = _h5_store()(io.BytesIO(data), mode="r")
-    failed, errors = set(), {}
+    failed: set[int] = set()
+    errors: dict[int, tuple[Any, Any]] = {}
     try:
         load_state(model, store, None, "", visited_saveables=set(),
                    failed_saveables=failed, error_msgs=errors)
@@ -253,14 +254,15 @@ def load_weights_file(model, data: bytes) -> None:
 
 @functools.lru_cache(maxsize=4)
 def _recording_store_class(h5_store):
-    # A subclass: Keras's walk accepts only its own store types.
-    class _RecordingStore(h5_store):
+    # A subclass: Keras's walk accepts only its own store types. Which
+    # class is known at run time only.
+    class _RecordingStore(h5_store):  # type: ignore[misc, valid-type]
         def __init__(self, visits=None, buffers=None, to_host=np.asarray):
             # No file is set up: nothing of the parent's state is used.
             self.entries = []
             self._to_host = to_host
             self._visits = visits
-            self._values = None
+            self._values: Optional[list] = None
             self._buffers = iter(buffers or ())
 
         def __bool__(self):
@@ -288,6 +290,8 @@ def _recording_store_class(h5_store):
                 np.copyto(buffer, source)
             else:
                 buffer = np.array(source)
+            # `make` (which Keras calls first) set it.
+            assert self._values is not None
             self._values.append((key, buffer))
 
     return _RecordingStore

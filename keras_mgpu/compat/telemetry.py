@@ -42,8 +42,9 @@ class _SummaryScope:
         return self
 
     def __exit__(self, *exc):
-        state = self._state
-        state.writer, state.step, state.is_recording = self._old
+        state, old = self._state, self._old
+        assert old is not None  # set by __enter__
+        state.writer, state.step, state.is_recording = old
         return False
 
 

@@ -104,7 +104,7 @@ def instrumented_train_function(train_function, seconds_waited=None,
             raise StopIteration
         return optional_outputs.get_value()
 
-    function.keras_train_function = train_function
+    setattr(function, "keras_train_function", train_function)
     return function
 
 

@@ -15,3 +15,9 @@ from keras_mgpu.data.spec import SPEC_FILE  # noqa: F401
 from keras_mgpu.data.spec import SPEC_VERSION  # noqa: F401
 from keras_mgpu.data.spec import read_spec  # noqa: F401
 from keras_mgpu.data.writer import write_tfrecords  # noqa: F401
+
+__all__ = [
+    "tfrecord_dataset", "write_tfrecords", "verify_tfrecords", "read_spec",
+    "rebatch", "batch_size_of", "UnknownLengthWarning", "SPEC_FILE",
+    "SPEC_VERSION",
+]

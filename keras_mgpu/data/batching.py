@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -19,9 +19,9 @@ class UnknownLengthWarning(UserWarning):
 
 # Per dataset object, so a tuner's trials (same dataset, every trial) read
 # the first batch or count the samples once.
-_FIRST_BATCH = weakref.WeakKeyDictionary()
-_SAMPLES = weakref.WeakKeyDictionary()
-_WARNED_UNKNOWN = weakref.WeakSet()
+_FIRST_BATCH: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+_SAMPLES: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+_WARNED_UNKNOWN: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def batch_size_of(dataset: tf.data.Dataset) -> int:

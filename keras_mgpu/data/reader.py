@@ -287,7 +287,7 @@ def _check_files(files: list):
     listed one that is missing, one of another size than recorded, or
     anything but a regular file (which the reader would block on).
     """
-    folders = {}
+    folders: dict[str, list[str]] = {}
     for path in files:
         folders.setdefault(_folder(path), []).append(path)
     first, expected = None, {}
@@ -347,6 +347,8 @@ def _check_files(files: list):
                 )
             if name in names:
                 expected[path] = listed[name], spec_path
+    # `files` is never empty: its callers refuse a pattern matching none.
+    assert first is not None
     return first[0], expected
 
 

@@ -7,7 +7,7 @@ import json
 import os
 import stat
 from functools import partial
-from typing import Optional
+from typing import Any, Optional
 
 import tensorflow as tf
 
@@ -21,7 +21,10 @@ from keras_mgpu._checks import (
 from keras_mgpu.data.structure import _MAX_DEPTH, _depth_beyond, _flat_names
 
 SPEC_FILE = "spec.json"
+"""The name of the feature spec `write_tfrecords` saves next to the shards."""
 SPEC_VERSION = 2  # 2: nested structures (a tree of tuples and dicts)
+"""The spec format `write_tfrecords` writes and `read_spec` reads (2: nested
+structures, a tree of tuples and dicts)."""
 
 
 def read_spec(directory: str) -> dict:
@@ -65,7 +68,7 @@ def read_spec(directory: str) -> dict:
         raise _bad_spec(
             path, f"a JSON object expected, got a {type(spec).__name__}"
         )
-    version = spec.get("version")
+    version: Any = spec.get("version")  # any JSON value, or None
     if version != SPEC_VERSION:
         older = is_integer(version) and version < SPEC_VERSION
         raise ValueError(

@@ -3,7 +3,7 @@ dicts encoded as `spec.json`'s `structure`, and back."""
 
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -30,6 +30,7 @@ def _depth_beyond(node, limit: int, spec_tree: bool = False) -> bool:
     nodes of a spec's structure; what is malformed counts as a leaf, for
     `_flat_names` to name). Walks without recursing."""
     stack = [(node, 0)]
+    children: Optional[Sequence]
     while stack:
         node, depth = stack.pop()
         if spec_tree:

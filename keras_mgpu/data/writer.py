@@ -133,7 +133,8 @@ def write_tfrecords(
     partials = [p + suffix for p in paths] + [spec_path + suffix]
     created = not _fs.isdir(directory or "/")
     _fs.makedirs(directory or "/")
-    opened, renamed = [], []
+    opened: list[str] = []
+    renamed: list[str] = []
     try:
         shapes, count = _write_shards(dataset, fields, partials[:-1], opened)
         if count == 0:
@@ -226,7 +227,7 @@ def _write_shards(dataset, fields, paths, opened: list):
     `opened`), so no more files exist than examples, whatever `paths` holds.
     """
     names = [n for n, _, _ in fields]
-    writers = []
+    writers: list[Any] = []  # tf.io.TFRecordWriter
     shapes, count = None, 0
     try:
         for element in dataset:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import keras
 import tensorflow as tf
@@ -117,9 +118,9 @@ class FP32OutputHead(keras.layers.Layer):
     def __init__(
         self,
         units: int,
-        activation=None,
+        activation: Any = None,
         float32_matmul: bool = False,
-        **dense_kwargs,
+        **dense_kwargs: Any,
     ):
         # Checked before anything is built: int(2.7) would silently give a
         # 2-class head, and bool("False") a float32 matmul.

@@ -15,3 +15,8 @@ from keras_mgpu.runtime.core import TrainingRuntime  # noqa: F401
 from keras_mgpu.runtime.core import training_runtime  # noqa: F401
 from keras_mgpu.runtime.counters import ResumeEvent  # noqa: F401
 from keras_mgpu.runtime.counters import RunCounters  # noqa: F401
+
+__all__ = [
+    "TrainingRuntime", "training_runtime", "RuntimeCallback", "RunCounters",
+    "ResumeEvent",
+]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Callable, ContextManager, Optional
+from typing import TYPE_CHECKING, Callable, ContextManager, Optional
 
 import keras
 
@@ -31,12 +31,18 @@ from keras_mgpu.runtime.skipping import ResumeSkipping
 # The backend's half of the runtime: the train-function wrapper, with the
 # runtime's backend hooks (keras_mgpu/backend/__init__.py).
 _backend = backend.active()
+if TYPE_CHECKING:
+    # The active backend's; type checkers read TensorFlow's.
+    from keras_mgpu.backend.tensorflow.train_function import (
+        TrainFunctionWrapper as _TrainFunctionWrapper)
+else:
+    _TrainFunctionWrapper = _backend.TrainFunctionWrapper
 # Before any callback is made: `model.fit(x, callbacks=[...])` looks `fit`
 # up before it makes them.
 compat.record_fits_from_import()
 
 
-def training_runtime(model) -> "TrainingRuntime":
+def training_runtime(model: keras.Model) -> "TrainingRuntime":
     """The `TrainingRuntime` of `model`, created on first use.
 
     Example:
@@ -63,7 +69,7 @@ def training_runtime(model) -> "TrainingRuntime":
     return runtime
 
 
-class TrainingRuntime(_backend.TrainFunctionWrapper, ResumeSkipping,
+class TrainingRuntime(_TrainFunctionWrapper, ResumeSkipping,
                       _RuntimeCounters):
     """One model's training runtime: the train-function wrapper and counters.
 
@@ -100,7 +106,7 @@ class TrainingRuntime(_backend.TrainFunctionWrapper, ResumeSkipping,
     (4, 32.0, 4)
     """
 
-    def __init__(self, model):
+    def __init__(self, model: keras.Model) -> None:
         self._model = weakref.ref(model)
         self.global_step = 0
         self.epoch = 0
@@ -163,7 +169,7 @@ class TrainingRuntime(_backend.TrainFunctionWrapper, ResumeSkipping,
 
     # --- hooks (called by callbacks; each acts once per event) -------------
 
-    def train_begin(self, callback) -> None:
+    def train_begin(self, callback: keras.callbacks.Callback) -> None:
         """Starts a `fit` (or a hand-driven callback loop)."""
         params = callback.params
         if self._in_fit and (not params or params is self._fit_params):
@@ -286,8 +292,10 @@ class TrainingRuntime(_backend.TrainFunctionWrapper, ResumeSkipping,
     def last_call_of_epoch(self) -> bool:
         """Whether the call in progress (or just done) is its epoch's last,
         as Keras plans the epoch (False where its length is unknown)."""
-        return bool(self._epoch_steps) and (
-            self._batch_begin + self._steps_per_call >= self._epoch_steps)
+        epoch_steps = self._epoch_steps
+        if not epoch_steps:
+            return False
+        return self._batch_begin + self._steps_per_call >= epoch_steps
 
     @property
     def input_timed(self) -> bool:

@@ -8,7 +8,9 @@ and `state()`/`resume()` are what a backup carries of them.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+import threading
+from typing import (TYPE_CHECKING, Any, Callable, ContextManager, Iterator,
+                    Optional)
 
 import keras
 import numpy as np
@@ -74,8 +76,106 @@ class RunCounters:
     resumes: tuple
 
 
+if TYPE_CHECKING:
 
-class _RuntimeCounters:
+    class _Runtime:
+        """For type checkers only: the state `TrainingRuntime.__init__`
+        sets (keras_mgpu/runtime/core.py) and the methods its halves call
+        on one another: the counters here, `ResumeSkipping`
+        (skipping.py) and the backend's `TrainFunctionWrapper`
+        (keras_mgpu/backend/<name>/). At run time they derive from
+        `object`."""
+
+        _model: Callable[[], Any]
+        global_step: int
+        epoch: int
+        batch_trains: bool
+        resumes: list[ResumeEvent]
+        resumed_here: list[ResumeEvent]
+        epoch_step: int
+        _steps_before_batch: int
+        _in_batch: bool
+        _fit_params: Optional[dict]
+        _in_fit: bool
+        _event: Optional[tuple]
+        _steps_per_call: int
+        _epoch_steps: Optional[int]
+        _batch_begin: int
+        _call_steps: int
+        _batch_lock: threading.Lock
+        _skip: Optional[_Skip]
+        _stream: Optional[Iterator]
+        _stream_read: int
+        _epoch_open: bool
+        _first_call: bool
+        _stream_base: int
+        _keras_base: int
+        _next_stream_base: int
+        _next_keras_base: int
+        _batches_read: Any
+        _fetched: int
+        _samples_before_epoch: float
+        _samples_at_epoch_start: float
+        _epoch_samples_counted: bool
+        _updates_offset: Optional[int]
+        _input_wait: Any
+        _timing_asked: bool
+        _wrapper: Optional[Callable]
+        _inner: Optional[Callable]
+        _runs_keras_step: bool
+        _twins: dict[tuple[int, bool], tuple[Callable, Callable]]
+        _step_scope: Optional[Callable[[], ContextManager]]
+
+        # TrainingRuntime's (core.py).
+        @property
+        def model(self) -> Any: ...
+
+        def _take_train_function(self) -> Optional[Callable]: ...
+
+        def _scoped(self, function: Callable, *args: Any) -> Any: ...
+
+        def _train_batches(self, run: Callable, iterator: Iterator,
+                           limit: int) -> tuple[Any, int]: ...
+
+        def _put_back_train_function(self) -> None: ...
+
+        def _account(self, read: int, trained: int) -> None: ...
+
+        def _read_from(self, iterator: Iterator) -> None: ...
+
+        # _RuntimeCounters' (here).
+        @property
+        def input_wait_variable(self) -> Any: ...
+
+        # ResumeSkipping's (skipping.py).
+        def _skip_then_train(self, iterator: Iterator, run: Callable
+                             ) -> tuple[Any, int, int]: ...
+
+        def _short_data_message(self, skip: _Skip, what: str) -> str: ...
+
+        # The backend's TrainFunctionWrapper's.
+        def _install(self) -> None: ...
+
+        def _uninstall(self) -> None: ...
+
+        def _check_support(self) -> None: ...
+
+        @staticmethod
+        def _new_input_wait() -> Any: ...
+
+        @staticmethod
+        def _next_batch(iterator: Iterator) -> Any: ...
+
+        def _batch_samples(self, element: Any) -> int: ...
+
+        def _sync_state(self) -> None: ...
+
+    _Host = _Runtime
+else:
+    _Host = object
+
+
+class _RuntimeCounters(_Host):
     """`TrainingRuntime`'s counters: reading them, saving and restoring them."""
 
     @property

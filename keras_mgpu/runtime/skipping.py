@@ -12,12 +12,17 @@ and `_batch_samples(element)` (the samples of one batch, over all workers).
 from __future__ import annotations
 
 import warnings
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from keras_mgpu import compat
 
+if TYPE_CHECKING:
+    from keras_mgpu.runtime.counters import _Runtime as _Host
+else:
+    _Host = object
 
-class ResumeSkipping:
+
+class ResumeSkipping(_Host):
     """`TrainingRuntime`'s skipping of what a resumed run already trained."""
 
     # --- resuming: skipping what the interrupted run trained -----------------
@@ -31,6 +36,8 @@ class ResumeSkipping:
         trained); None while nothing trained (the metrics may not be built
         yet)."""
         skip = self._skip
+        # Only called while a resume skips.
+        assert skip is not None
         if skip.before_epoch:
             # The interrupted run's epoch began this far into its iterator.
             epoch_iterator = compat.fit_epoch_iterator(self.model)
@@ -92,6 +99,8 @@ class ResumeSkipping:
         """Counts a skipped batch's samples; refuses the resume when this
         run's batches cannot end where the saved run's did."""
         skip = self._skip
+        # Only called while a resume skips by samples.
+        assert skip is not None and skip.samples is not None
         batch = self._batch_samples(element)
         if not skip.checked:
             self._check_skip(batch)
@@ -112,6 +121,8 @@ class ResumeSkipping:
         the saved epoch's samples are skipped, whatever the size, or the
         resume is refused if that cannot be exact."""
         skip = self._skip
+        # Only called while a resume skips by samples.
+        assert skip is not None and skip.samples is not None
         skip.checked = True
         samples, saved_batches = skip.samples, skip.saved_batches
         where = f"{self._saved_where(skip)}; this run's batches hold {batch}"

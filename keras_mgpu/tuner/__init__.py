@@ -49,3 +49,9 @@ from keras_mgpu.tuner.parallel import plan_workers  # noqa: F401
 from keras_mgpu.schedules import ScaledSchedule  # noqa: F401
 # Private, re-exported for tests/test_tuner.py, which reads it here.
 from keras_mgpu.tuner.model import _set_learning_rate  # noqa: F401
+
+__all__ = [
+    "StrategyAwareHyperModel", "launch", "plan_workers", "local_gpus",
+    "ScaledSchedule", "LEARNING_RATE_HP", "PER_REPLICA_BATCH_HP",
+    "ACCUM_STEPS_HP", "PRECISION_HP", "LR_SCALING_RULES", "EFFECTIVE_KEYS",
+]

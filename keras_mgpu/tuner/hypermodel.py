@@ -158,7 +158,7 @@ class StrategyAwareHyperModel(keras_tuner.HyperModel):
         precision: Union[None, str, Sequence[str]] = None,
         rebatch: bool = True,
         backup: Union[bool, str, int] = "epoch",
-        **kwargs,
+        **kwargs: Any,
     ):
         wrapped = None
         if isinstance(build_fn, StrategyAwareHyperModel):
@@ -217,7 +217,7 @@ class StrategyAwareHyperModel(keras_tuner.HyperModel):
         self.precision = precision
         self.rebatch = bool(rebatch)
         self.backup = backup
-        self._executions = {}
+        self._executions: dict[str, int] = {}
         self._warned_rate = False
         # `keras.backend.clear_session()`, which KerasTuner calls before
         # each trial, drops a `keras.distribution` setting: each trial's
@@ -234,7 +234,8 @@ class StrategyAwareHyperModel(keras_tuner.HyperModel):
 
     # --- hyperparameters ----------------------------------------------------
 
-    def declare_hyperparameters(self, hp) -> None:
+    def declare_hyperparameters(
+            self, hp: keras_tuner.HyperParameters) -> None:
         """Declares the wrapped `HyperModel`'s space and this hypermodel's
         own hyperparameters, before the first trial.
 
@@ -275,7 +276,7 @@ class StrategyAwareHyperModel(keras_tuner.HyperModel):
 
     # --- build --------------------------------------------------------------
 
-    def build(self, hp) -> keras.Model:
+    def build(self, hp: keras_tuner.HyperParameters) -> keras.Model:
         """Builds one trial's model: precision, `build_fn`, accumulation, LR.
 
         The learning rate is scaled here whenever the scale is known without
@@ -348,6 +349,7 @@ class StrategyAwareHyperModel(keras_tuner.HyperModel):
     def _lr_scale(self, model, per_replica: Optional[int]) -> Optional[float]:
         replicas = strategy_lib.num_replicas(strategy_lib.of_model(model))
         accum = _accum_steps_of(model)
+        ratio: float
         if self.reference_batch_size is None:
             # The reference is the per-replica batch itself.
             ratio = replicas * accum
@@ -375,7 +377,8 @@ class StrategyAwareHyperModel(keras_tuner.HyperModel):
 
     # --- fit ----------------------------------------------------------------
 
-    def fit(self, hp, model, *args, **kwargs):
+    def fit(self, hp: keras_tuner.HyperParameters, model: keras.Model,
+            *args: Any, **kwargs: Any) -> Any:
         """Trains one trial: global batch, scaled LR, per-trial backup.
 
         Then calls the wrapped `HyperModel`'s `fit` (or `model.fit`) with
@@ -395,8 +398,8 @@ class StrategyAwareHyperModel(keras_tuner.HyperModel):
             dict of metrics (a float is returned as it is).
         """
         strategy_lib.restore(self._distribution)
-        args = list(args)
-        x = args[0] if args else kwargs.get("x")
+        positional = list(args)
+        x = positional[0] if positional else kwargs.get("x")
         user_batch = kwargs.pop("batch_size", None)
         if user_batch is not None:
             user_batch = _positive_int("search(batch_size=...)", user_batch)
@@ -442,8 +445,8 @@ class StrategyAwareHyperModel(keras_tuner.HyperModel):
         if isinstance(x, tf.data.Dataset):
             if self.rebatch:
                 x = data_lib.rebatch(x, global_batch)
-            if args:
-                args[0] = x
+            if positional:
+                positional[0] = x
             else:
                 kwargs["x"] = x
         else:
@@ -465,10 +468,10 @@ class StrategyAwareHyperModel(keras_tuner.HyperModel):
             # added to an epoch's logs before it records them.
             callbacks.append(_TrialHistory())
         if self.wrapped is not None:
-            results = self.wrapped.fit(hp, model, *args, callbacks=callbacks,
-                                       **kwargs)
+            results = self.wrapped.fit(hp, model, *positional,
+                                       callbacks=callbacks, **kwargs)
         else:
-            results = model.fit(*args, callbacks=callbacks, **kwargs)
+            results = model.fit(*positional, callbacks=callbacks, **kwargs)
         if isinstance(results, keras.callbacks.History):
             epochs = len(results.epoch)
             for key in EFFECTIVE_KEYS:

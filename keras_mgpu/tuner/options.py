@@ -12,12 +12,19 @@ from keras_mgpu import data as data_lib
 from keras_mgpu._checks import is_positive_integer
 
 LR_SCALING_RULES = ("linear", "sqrt", None)
+"""The `lr_scaling` rules of `StrategyAwareHyperModel`: the learning rate
+scaled by the effective batch's ratio to the reference batch (`"linear"`),
+by its square root (`"sqrt"`), or left as `build_fn` set it (`None`)."""
 
 # Hyperparameter names the hypermodel reads or declares.
 LEARNING_RATE_HP = "learning_rate"
+"""The hyperparameter name of the (unscaled) learning rate."""
 PER_REPLICA_BATCH_HP = "per_replica_batch_size"
+"""The hyperparameter name of the per-replica batch size."""
 ACCUM_STEPS_HP = "accum_steps"
+"""The hyperparameter name of the gradient accumulation steps."""
 PRECISION_HP = "precision"
+"""The hyperparameter name of the precision policy."""
 
 # Metrics added to each trial (constant over its epochs): what the trial
 # really trained with on this cluster.
@@ -30,6 +37,8 @@ EFFECTIVE_KEYS = (
     "effective/lr_scale",
     "effective/learning_rate",
 )
+"""The metrics added to each trial (constant over its epochs): what the
+trial really trained with on this cluster."""
 
 _PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
 _DEFAULT_BATCH = 32  # Keras's own default `batch_size`, here per replica.

@@ -227,19 +227,22 @@ def launch(
     envs = plan_workers(devices, devices_per_trial, num_workers,
                         oracle_port=port)
     extra = dict(env or {})
+    stream: Optional[TextIO]
     if echo is True:
-        echo = sys.stdout
+        stream = sys.stdout
     elif echo is False:
-        echo = None
+        stream = None
     elif not callable(getattr(echo, "write", None)):
         raise TypeError(
             f"echo must be True, False or a text stream (with write), got "
             f"{echo!r}."
         )
+    else:
+        stream = echo
     return launcher.run_local_workers(
         target, len(envs), kwargs=kwargs, args=args, timeout=timeout,
         env=lambda i: {**extra, **envs[i]}, cwd=cwd,
         kill_when_printed=kill_when_printed, kill_workers=kill_workers,
-        kill_signal=signal.SIGKILL, echo=echo,
+        kill_signal=signal.SIGKILL, echo=stream,
         labels=[e["KERASTUNER_TUNER_ID"] for e in envs],
     )

@@ -21,7 +21,7 @@ ACCUM = 2
 SAMPLES = 32  # two windows
 
 MODEL_PARAMS = [
-    pytest.param(name, marks=() if name in CI_MODELS
+    pytest.param(name, marks=() if name in CI_MODELS[BACKEND]
                  else pytest.mark.full_matrix)
     for name in MODELS]
 

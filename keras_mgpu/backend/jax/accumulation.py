@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 import types
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -45,8 +46,13 @@ from keras_mgpu.backend._accumulation import accumulator_dtype
 # The window's variables in the order `_track_window` lists them.
 _COUNTERS = ("samples", "micro_step", "grad_norm", "update_count", "updated")
 
+if TYPE_CHECKING:
+    from keras_mgpu.backend._accumulation import AccumulationHost as _Host
+else:
+    _Host = object
 
-class AccumulationSteps:
+
+class AccumulationSteps(_Host):
     """The JAX train step of `GradientAccumulationModel`."""
 
     # JAX keeps 32-bit integers unless x64 is enabled.

@@ -36,7 +36,8 @@ class Processes(NamedTuple):
     coordinator's `"host:port"` (worker 0's cluster address; None for one
     process)."""
 
-    count: int
+    # Shadows tuple.count, the field's public name.
+    count: int  # type: ignore[assignment]
     process_id: int
     coordinator: Optional[str]
 
@@ -190,6 +191,8 @@ def _check_coordinator_port(cluster: Processes, where: str,
     # The coordinator listens on every address at the port, as this
     # socket tries to (SO_REUSEADDR, as gRPC: only a listener is in the
     # way, not a connection closing).
+    # Joined clusters have several processes, so a coordinator.
+    assert cluster.coordinator is not None
     port = int(cluster.coordinator.rpartition(":")[2])
     with socket.socket() as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -210,6 +213,8 @@ def _port_taken(cluster: Processes, where: str, source: str) -> RuntimeError:
 def _wait_for_coordinator(cluster: Processes, source: str,
                           startup_timeout: Optional[float],
                           deadline: Optional[float]) -> None:
+    # Joined clusters have several processes, so a coordinator.
+    assert cluster.coordinator is not None
     while not _listening(cluster.coordinator):
         if deadline is not None and time.monotonic() >= deadline:
             raise RuntimeError(

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import jax
 import keras
@@ -37,8 +37,13 @@ from keras import tree
 
 from keras_mgpu import compat
 
+if TYPE_CHECKING:
+    from keras_mgpu.runtime.counters import _Runtime as _Host
+else:
+    _Host = object
 
-class TrainFunctionWrapper:
+
+class TrainFunctionWrapper(_Host):
     """`TrainingRuntime`'s wrapper of the model's train function on JAX."""
 
     # --- the train function --------------------------------------------------
@@ -76,7 +81,7 @@ class TrainFunctionWrapper:
             self._account(fetches.count, fetches.count)
             return logs, state
 
-        train_function.keras_mgpu_inner = inner
+        setattr(train_function, "keras_mgpu_inner", inner)
         self._wrapper = model.train_function = train_function
 
     def _uninstall(self) -> None:
@@ -235,7 +240,7 @@ class _HostSeconds:
         return np.asarray(self.value, dtype=dtype or np.float64)
 
 
-_READY_FETCH = None  # seconds, once measured
+_READY_FETCH: Optional[float] = None  # seconds, once measured
 _READY_SAMPLES = 16
 
 
@@ -244,7 +249,7 @@ def _gpus() -> list:
             if device.platform == "gpu"]
 
 
-def _host_value(value) -> np.ndarray:
+def _host_value(value) -> np.ndarray | np.float64:
     if isinstance(value, _HostSeconds):
         return value.numpy()
     return np.asarray(keras.ops.convert_to_numpy(value))

@@ -42,6 +42,7 @@ def gather_rows(strategy: tf.distribute.Strategy,
                      autograph=False)
         def gather(value):
             live = strategy_ref()
+            assert live is not None  # the caller's strategy
             distributed = live.experimental_distribute_values_from_function(
                 lambda _: tf.identity(value))
             return live.gather(distributed, axis=0)

@@ -9,7 +9,7 @@ skipping (`keras_mgpu/runtime/skipping.py`).
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import keras
 import numpy as np
@@ -18,8 +18,13 @@ import tensorflow as tf
 from keras_mgpu import compat
 from keras_mgpu import strategy as strategy_lib
 
+if TYPE_CHECKING:
+    from keras_mgpu.runtime.counters import _Runtime as _Host
+else:
+    _Host = object
 
-class TrainFunctionWrapper:
+
+class TrainFunctionWrapper(_Host):
     """`TrainingRuntime`'s wrapper of the model's train function, and the
     runtime's backend hooks (`keras_mgpu/backend/__init__.py` lists them)."""
 
@@ -55,7 +60,7 @@ class TrainFunctionWrapper:
             self._account(read, read)
             return logs
 
-        train_function.keras_mgpu_inner = inner
+        setattr(train_function, "keras_mgpu_inner", inner)
         self._wrapper = model.train_function = train_function
 
     def _twin(self, inner, timed: bool):
@@ -174,6 +179,8 @@ class TrainFunctionWrapper:
             # key stay theirs while it lives.
             cached = (key, tf.function(lambda: read(_tensor),
                                        autograph=False).get_concrete_function())
+        # Without a key, the caller hands back the reader it kept.
+        assert cached is not None
         return cached, cached[1]()
 
     def ready_fetch_seconds(self) -> float:
@@ -221,7 +228,8 @@ def _tensor(value):
     return tf.identity(keras.ops.convert_to_tensor(value))
 
 
-_READY_FETCH = weakref.WeakKeyDictionary()  # strategy: seconds
+_READY_FETCH: weakref.WeakKeyDictionary[Any, float] = (
+    weakref.WeakKeyDictionary())  # strategy: seconds
 _READY_SAMPLES = 16
 
 

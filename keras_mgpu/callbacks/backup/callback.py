@@ -11,7 +11,7 @@ import dataclasses
 import sys
 import time
 import warnings
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import tensorflow as tf
 
@@ -248,8 +248,9 @@ class BackupAndRestore(RuntimeCallback):
         self._writer = writer.GenerationWriter(self.backup_dir)
         self._host = HostSnapshot()
         self._preemption = SigtermNotice()
-        self._lock = None  # OwnerLock: the chief's, from train begin to end
-        self._fit = None  # _Fit, from the first on_train_begin
+        # The chief's, from train begin to end.
+        self._lock: Optional[OwnerLock] = None
+        self._fit: Optional[_Fit] = None  # from the first on_train_begin
         self._restored = Restored()
 
     @property
@@ -259,7 +260,8 @@ class BackupAndRestore(RuntimeCallback):
         return self.keep >= 2
 
     @classmethod
-    def from_preset(cls, name: str, backup_dir: str, **overrides):
+    def from_preset(cls, name: str, backup_dir: str,
+                    **overrides: Any) -> BackupAndRestore:
         """Builds the callback from a named preset, with `overrides` on top.
 
         Args:
@@ -347,6 +349,7 @@ class BackupAndRestore(RuntimeCallback):
         if self._restored.callback_states is not None:
             # Applied here, not in on_train_begin: EarlyStopping resets its
             # own state in its on_train_begin, which may run after ours.
+            assert self._fit is not None  # set by on_train_begin
             callback_state.restore(self._fit.siblings,
                                    self._restored.callback_states)
             self._restored.callback_states = None
@@ -355,6 +358,7 @@ class BackupAndRestore(RuntimeCallback):
     def on_train_batch_end(self, batch, logs=None):
         super().on_train_batch_end(batch, logs)
         self._announce_resume(mid_epoch=True)
+        assert self._fit is not None  # set by on_train_begin
         runtime = self._fit.runtime
         self._refresh_lock()
         if self._write is not None and self._write.done():
@@ -409,6 +413,7 @@ class BackupAndRestore(RuntimeCallback):
         self._finish_write()
         self._host.free()
         self._release_lock()
+        assert self._fit is not None  # set by on_train_begin
         if (self.delete_checkpoint and self._fit.chief
                 and not self._restored.keep_backups):
             self._fit.store.delete()
@@ -421,7 +426,10 @@ class BackupAndRestore(RuntimeCallback):
         interrupted run trained (this run's data or batch size can refuse
         the resume until then). A refused resume says nothing of resuming."""
         line = self._restored.announcement
-        if line is None or self._fit.runtime.skipping:
+        if line is None:
+            return
+        assert self._fit is not None  # set by on_train_begin
+        if self._fit.runtime.skipping:
             return
         self._restored.announcement = None
         if mid_epoch and (self.params or {}).get("verbose") in (1, "auto"):
@@ -460,6 +468,7 @@ class BackupAndRestore(RuntimeCallback):
         rerun may resume from, and the SIGTERM save is the one that counts).
         """
         fit = self._fit
+        assert fit is not None  # set by on_train_begin
         self._schedule.saved_at(fit.runtime.global_step)
         self._finish_write()
         # Every worker reads (collectives); only the chief keeps it.
@@ -501,6 +510,7 @@ class BackupAndRestore(RuntimeCallback):
         """Writes one generation from a snapshot (on the writer thread):
         every file once, from memory; returns its number. `more_files`:
         name to bytes (the callbacks' arrays)."""
+        assert self._fit is not None  # the fit that saved it
         return writer.write_generation(
             self._fit.store,
             generation.encode(weights, extra, state, more_files))

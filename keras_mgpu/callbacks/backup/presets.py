@@ -7,9 +7,11 @@ it there.
 
 from __future__ import annotations
 
+from typing import Any
+
 from keras_mgpu.cluster.exit_codes import RESTART_EXIT_CODE
 
-PRESETS = {
+PRESETS: dict[str, dict[str, Any]] = {
     "epoch": {
         "save_freq": "epoch",
         "keep": 2,

@@ -15,9 +15,11 @@ class SaveSchedule:
 
     def __init__(self, save_freq: Union[str, int, bool]):
         self._save_freq = save_freq
-        # Batches between periodic saves; None: at epoch ends, or never.
-        self._batch_freq = (
-            None if save_freq == "epoch" or save_freq is False else save_freq)
+        # Batches between periodic saves; None: at epoch ends, or never
+        # (`check_arguments` let through "epoch", False or a positive int).
+        self._batch_freq: Optional[int] = (
+            None if isinstance(save_freq, str) or save_freq is False
+            else save_freq)
         self.start(0, defer_epoch_end=False)
 
     def start(self, global_step: int, *, defer_epoch_end: bool) -> None:
@@ -26,7 +28,7 @@ class SaveSchedule:
         self._last_saved_step = global_step
         self._defer_epoch_end = defer_epoch_end
         self._save_at_epoch_end = False
-        self._epoch_end_save = None
+        self._epoch_end_save: Optional[int] = None
 
     def saved_at(self, global_step: int) -> None:
         """A save (or a restore) at `global_step`."""

@@ -3,6 +3,8 @@ that stalls training."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from keras_mgpu import compat
@@ -47,7 +49,8 @@ class HostSnapshot:
         # A `GradientAccumulationModel` across TensorFlow replicas: their
         # moving statistics part within a window, and the save keeps their
         # mean (a collective).
-        means = getattr(model, "_replica_statistics_means", dict)()
+        means: dict[int, Any] = getattr(
+            model, "_replica_statistics_means", dict)()
         if means:
             def to_host(value, read=to_host):
                 mean = means.get(id(value))

@@ -41,7 +41,8 @@ _ARRAY_KEY = "__ndarray__"
 # that contains itself) would end in a RecursionError naming nothing.
 MAX_STATE_DEPTH = 100
 
-_registry = {}
+_registry: dict[type, tuple[Callable[[Any], dict],
+                           Callable[[Any, dict], None]]] = {}
 
 
 def register_callback_state(
@@ -169,7 +170,8 @@ def snapshot(callbacks) -> tuple:
     """The states of `callbacks` as saved: (entries for the generation's
     JSON state, the bytes of `ARRAYS_FILE` or None when no state holds an
     array)."""
-    entries, arrays = [], {}
+    entries: list[dict] = []
+    arrays: dict[str, Any] = {}
     for name, get_state, _ in stateful_callbacks(callbacks):
         state = get_state()
         where = f"{name}.get_state()"
@@ -331,7 +333,7 @@ def _first_too_deep(text: str, limit: int) -> tuple:
     or (None, None)."""
     # Per open dict or list: [is a dict, its current key or index, the
     # string value of its "class" key].
-    open_ = []
+    open_: list[list[Any]] = []
     want_key = False
     for match in _JSON_TOKEN.finditer(text):
         token = match.group()
@@ -369,10 +371,10 @@ def restore(callbacks, entries: list) -> None:
     between runs. A class whose number of callbacks differs gets nothing,
     with a warning.
     """
-    current = {}
+    current: dict[str, list[Callable[[dict], None]]] = {}
     for name, _, set_state in stateful_callbacks(callbacks):
         current.setdefault(name, []).append(set_state)
-    saved = {}
+    saved: dict[str, list[dict]] = {}
     for entry in entries:
         saved.setdefault(entry["class"], []).append(entry["state"])
     differ = sorted(name for name in set(current) | set(saved)

@@ -28,7 +28,7 @@ import re
 import shutil
 import stat
 import uuid
-from typing import Callable, Iterable, Mapping, Optional
+from typing import Callable, Iterable, Mapping, Optional, Union
 
 from keras_mgpu import _fs
 
@@ -161,7 +161,7 @@ class GenerationStore:
         _fs.write_file(probe, b"")
         _fs.remove_file(probe)
 
-    def write(self, files: Mapping[str, object]) -> int:
+    def write(self, files: Mapping[str, Union[bytes, memoryview]]) -> int:
         """Writes `files` (name to bytes, or a memoryview of them) as the
         next generation, commits it, then prunes to the newest `keep`;
         returns its number.

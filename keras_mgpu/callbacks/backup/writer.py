@@ -13,7 +13,7 @@ from keras_mgpu.callbacks.backup.store import (GenerationStore, PruneFailed,
 # The background write of each backup_dir, while it may still run: a fit
 # that raises leaves it running, and the next fit on that directory in this
 # process waits for it.
-_writes_in_flight = {}
+_writes_in_flight: dict[str, BackgroundWrite] = {}
 
 
 class BackgroundWrite:

@@ -9,7 +9,7 @@ import fcntl
 import os
 import threading
 import weakref
-from typing import Optional
+from typing import Optional, TextIO
 
 from keras_mgpu import _fs
 
@@ -22,7 +22,7 @@ class LogDirInUse(RuntimeError):
 # callbacks (a logger or a fit dropped) may run on any thread, inside a
 # claim too (the garbage collector): reentrant, and every change checks
 # that the entry is still the claim it means.
-_CLAIMS = {}
+_CLAIMS: dict[str, _Claim] = {}
 _CLAIMS_LOCK = threading.RLock()
 
 
@@ -34,7 +34,7 @@ class _Claim:
     fit: Optional[weakref.ref]
     thread: threading.Thread  # the thread that began its run
     model: str  # the trained model's name, to name the run
-    lock: Optional[object] = None  # a local metrics.jsonl, open and flock'ed
+    lock: Optional[TextIO] = None  # a local metrics.jsonl, open and flock'ed
 
     def live(self) -> bool:
         """Whether its run may still write: its logger exists and its `fit`
@@ -107,7 +107,7 @@ def _claim_log_dir(logger, running_fit) -> None:
             lock = _lock_metrics_file(local, log_dir)
         model = getattr(getattr(logger, "_trained_model", None), "name", None)
         _CLAIMS[key] = _Claim(
-            weakref.ref(logger, lambda _, key=key: _drop_claim(key)),
+            weakref.ref(logger, lambda _: _drop_claim(key)),
             _fit_ref(running_fit, key), here, str(model), lock)
 
 
@@ -155,7 +155,7 @@ def _fit_ref(running_fit, key: str) -> Optional[weakref.ref]:
         return None
     # The fit is dropped as it returns or raises: a fit that raised (Keras
     # then never calls `on_train_end`) frees the log_dir at once.
-    return weakref.ref(running_fit, lambda _, key=key: _drop_claim(key))
+    return weakref.ref(running_fit, lambda _: _drop_claim(key))
 
 
 def _local_path(log_dir: str) -> Optional[str]:
@@ -166,7 +166,7 @@ def _local_path(log_dir: str) -> Optional[str]:
     return None if _fs.is_url(log_dir) else log_dir
 
 
-def _lock_metrics_file(local: str, log_dir: str):
+def _lock_metrics_file(local: str, log_dir: str) -> TextIO:
     """`<local>/metrics.jsonl`, open and flock'ed: `LogDirInUse` where
     another process holds it."""
     os.makedirs(local, exist_ok=True)

@@ -9,7 +9,7 @@ import contextlib
 import dataclasses
 import os
 import time
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import keras
 
@@ -236,21 +236,25 @@ class DistributedLogger(RuntimeCallback):
         self.log_dir = os.fspath(log_dir)
         self.update_freq = update_freq
         self.batch_size = batch_size
-        self.wandb_config = None if wandb in (None, False) else (
-            {} if wandb is True else dict(wandb)
+        # `_validate` let through None, a bool or a dict.
+        self.wandb_config: Optional[dict] = (
+            None if wandb is None or wandb is False
+            else {} if wandb is True else dict(wandb)
         )
         self.console = console
         self._profiler = _Profiler(
             None if profile_steps is None else tuple(profile_steps),
             self.log_dir)
-        self._fit = None  # the `fit` running (or the last one)
-        self._sinks = None
-        self._reader = None  # (what it reads, the compiled read)
+        self._fit: Optional[_Fit] = None  # the `fit` running (or the last one)
+        self._sinks: Optional[Sinks] = None
+        # (what it reads, the compiled read)
+        self._reader: Optional[tuple[Any, Any]] = None
         self._summaries = _ModelSummaries()
         self._lines = _EpochLines()
         self._progress = _Progress()
         self._hand_loop = _HandLoop()
-        self._run = None  # (model, params) of the run writing, on the chief
+        # (model, params) of the run writing, on the chief
+        self._run: Optional[tuple[Any, Any]] = None
 
     def __deepcopy__(self, memo):
         # A copy (KerasTuner copies callbacks for every trial) is a new
@@ -311,7 +315,8 @@ class DistributedLogger(RuntimeCallback):
             replicas=strategy_lib.num_replicas(strategy),
             chief=strategy_lib.is_chief(),
             num_gpus=runtime.local_gpus(),
-            freq=(float("inf") if self.update_freq == "epoch"
+            # `_validate` let through "epoch" or a positive integer.
+            freq=(float("inf") if isinstance(self.update_freq, str)
                   else self.update_freq),
             # Before the first batch: outside every record's time.
             ready_fetch=(None if self._hand_loop.active
@@ -335,11 +340,13 @@ class DistributedLogger(RuntimeCallback):
         # (Keras's `TensorBoard` decides at trace time, and records none).
         if (fit.chief and self.update_freq != "epoch"
                 and not getattr(self.model, "jit_compile", False)):
+            assert self._sinks is not None  # the chief's, opened above
             self._summaries.enter(runtime, self._sinks.run_writer("train"))
 
     def on_epoch_begin(self, epoch, logs=None):
         super().on_epoch_begin(epoch, logs)
         self._lines.flush()
+        assert self._fit is not None  # set by on_train_begin
         if not self._fit.runtime.skipping:
             self._log_resumes()
         self._progress.begin_epoch(epoch)
@@ -349,6 +356,7 @@ class DistributedLogger(RuntimeCallback):
         # else waits for the window to close.
         now = time.perf_counter()
         fit, progress = self._fit, self._progress
+        assert fit is not None  # set by on_train_begin
         runtime = fit.runtime
         super().on_train_batch_begin(batch, logs)
         if not runtime.batch_trains:
@@ -431,6 +439,7 @@ class DistributedLogger(RuntimeCallback):
         if record is None:
             return
         record["metrics"] = _floats(logs or {})
+        assert self._fit is not None  # set by on_train_begin
         if self._fit.chief:
             self._submit(record)
             if self.console:
@@ -460,6 +469,8 @@ class DistributedLogger(RuntimeCallback):
     # --- Records -------------------------------------------------------------
 
     def _submit(self, record: dict) -> None:
+        # Records are written on the chief, which has its sinks.
+        assert self._sinks is not None
         try:
             self._sinks.submit(record)
         except RuntimeError:
@@ -472,6 +483,7 @@ class DistributedLogger(RuntimeCallback):
 
     def _close_sinks(self) -> None:
         sinks, self._sinks = self._sinks, None
+        assert sinks is not None  # only called while they are open
         sinks.close()
 
     def _log_resumes(self, mid_epoch: bool = False):
@@ -479,6 +491,7 @@ class DistributedLogger(RuntimeCallback):
         has skipped what the interrupted run trained): a refused resume is
         not recorded."""
         logged = self._progress.logged_resumes
+        assert self._fit is not None  # set by on_train_begin
         for event in self._fit.runtime.resumed_here:
             if event in logged:
                 continue
@@ -504,6 +517,7 @@ class DistributedLogger(RuntimeCallback):
     def _close_window(self, final: bool) -> float:
         """Reads, aggregates and writes a window; returns when it ended."""
         fit, progress = self._fit, self._progress
+        assert fit is not None  # set by on_train_begin
         # Reading the metrics waits for the device, so the time stamped after
         # it includes all the window's work.
         self._reader, checked, read = _read(
@@ -560,6 +574,7 @@ class DistributedLogger(RuntimeCallback):
     def _resumed_after(self) -> Optional[int]:
         """The batches of this epoch a resume skipped (the interrupted run
         trained them), or None where the epoch did not resume inside."""
+        assert self._fit is not None  # set by on_train_begin
         runtime, progress = self._fit.runtime, self._progress
         if not any(event.epoch == progress.epoch
                    for event in runtime.resumed_here):
@@ -567,6 +582,8 @@ class DistributedLogger(RuntimeCallback):
         # Read from the data (trained or skipped) minus trained here, as the
         # runtime counted them (a call that found the data's end trained
         # nothing).
+        # Set as the epoch's first batch began: the epoch has trained some.
+        assert progress.epoch_first_step is not None
         trained = runtime.completed_steps - progress.epoch_first_step
         skipped = runtime.epoch_step - trained
         return skipped if skipped > 0 else None

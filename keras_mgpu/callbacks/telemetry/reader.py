@@ -61,7 +61,6 @@ def _read_values(model, runtime, value) -> dict:
     """The values a record reads (traced into the logger's reader on
     TensorFlow); `value(x)` converts a variable or tensor."""
     optimizer = getattr(model, "optimizer", None)
-    loss_scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
     window = getattr(model, "window_variables", None) or {}
 
     def tensor(variable):
@@ -76,7 +75,8 @@ def _read_values(model, runtime, value) -> dict:
             None if optimizer is None
             else _learning_rate_tensor(optimizer, value)),
         "loss_scale": (
-            tensor(optimizer.dynamic_scale) if loss_scaled else None),
+            tensor(optimizer.dynamic_scale) if isinstance(
+                optimizer, keras.optimizers.LossScaleOptimizer) else None),
     }
 
 

@@ -47,6 +47,8 @@ JSONL_KEYS = (
     "resume",  # resume records: {"generation", "step", "saved_replicas",
     #            "replicas", "text"}; else null
 )
+"""The keys of every `DistributedLogger` JSONL record, in order (a value
+the run cannot measure is `null`); docs/telemetry.md describes each."""
 
 
 @dataclasses.dataclass
@@ -85,8 +87,10 @@ def _measure(span: _Span, state: dict, end: float, *,
     where not measured. Its `input_wait_ready` (not a JSONL key) is the
     share of `seconds` that fetching its batches costs with every batch
     already there (`_ready_share`)."""
-    seconds = max(end - span.began, 1e-9)
     start = span.start
+    # Measured once a batch began in it (`add`).
+    assert span.began is not None and start is not None
+    seconds = max(end - span.began, 1e-9)
     # What the runtime counted once the span's calls returned: a batch
     # begin predicts a call's batches, and the call that finds the end
     # of data of unknown length trains fewer (none) than predicted.

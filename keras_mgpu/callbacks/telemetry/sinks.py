@@ -10,7 +10,7 @@ import queue
 import threading
 import time
 import weakref
-from typing import Optional
+from typing import Any, Optional
 
 import tensorflow as tf
 
@@ -62,7 +62,8 @@ class Sinks:
         # Sync at most every second, after every epoch record and when the
         # writer thread goes idle instead.
         self._log_dir = log_dir
-        self._writers = {}  # run name: (writer, its compiled event writer)
+        # run name: (writer, its compiled event writer)
+        self._writers: dict[str, tuple[Any, Any]] = {}
         # Runs are created by the logger on the training thread, and read
         # by the writer thread.
         self._writers_lock = threading.Lock()
@@ -72,7 +73,8 @@ class Sinks:
         # `submit` may be called from Keras's callback thread (a hand-written
         # loop's batch ends): one record at a time, in order.
         self._submit_lock = threading.Lock()
-        self._held = None  # records whose background writes wait (`hold`)
+        # records whose background writes wait (`hold`)
+        self._held: Optional[list[dict]] = None
         self._jsonl_flushed = time.monotonic()
         self._wandb_run = None
         if wandb_config is not None:
@@ -92,15 +94,16 @@ class Sinks:
             config["dir"] = os.path.abspath(config["dir"])
             os.makedirs(config["dir"], exist_ok=True)
             self._wandb_run = wandb.init(**config)
-        self._queue = queue.Queue()
-        self._error = None
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._error: Optional[Exception] = None
         # `_running` and the queue are checked together under the lock, by
         # `submit` and by a thread deciding to exit: a record is never left
         # queued with no thread to write it.
         self._lock = threading.Lock()
         self._running = False
-        self._thread = None  # the latest writer thread
-        self._closer = None  # `close_with`'s finalizer
+        self._thread: Optional[threading.Thread] = None  # the latest writer
+        # `close_with`'s finalizer
+        self._closer: Optional[weakref.finalize] = None
 
     def submit(self, record: dict) -> None:
         """Writes the record's local JSONL line now; queues the rest."""
@@ -140,6 +143,7 @@ class Sinks:
         marker = _Drain()
         self._put(marker)
         thread = self._thread
+        assert thread is not None  # `_put` made one
         # The thread sets the marker whatever its writes did; a thread gone
         # without setting it (a bug) must not hang training.
         while not marker.done.wait(1.0):
@@ -163,6 +167,7 @@ class Sinks:
         if not idle:
             self._put(_CLOSE)
             thread = self._thread
+            assert thread is not None  # `_put` made one
             if thread.ident is None and thread not in threading.enumerate():
                 # A Ctrl-C came between its creation and its start (this
                 # close runs at exit then); one starting is listed.
@@ -270,7 +275,7 @@ class Sinks:
         if not self._jsonl_local:
             self._jsonl.write("".join(json.dumps(r) + "\n" for r in records))
         series = [tensorboard_scalars(r) for r in records]
-        by_run = {}
+        by_run: dict[str, tuple[list, list]] = {}
         for entries in series:
             for run, step, values in entries:
                 protos, steps = by_run.setdefault(run, ([], []))

@@ -4,18 +4,21 @@ where the run is (epoch, window, the spans they measure)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from keras_mgpu.callbacks.telemetry.records import _Span
+
+if TYPE_CHECKING:
+    from keras_mgpu.runtime.core import TrainingRuntime
 
 
 @dataclasses.dataclass
 class _Fit:
     """What one `fit` (or hand-written loop) of the logger runs under."""
 
-    runtime: object  # keras_mgpu.runtime.TrainingRuntime
+    runtime: TrainingRuntime
     # The tf.distribute strategy; on JAX, the keras.distribution (or None).
-    strategy: object
+    strategy: Any
     workers: int
     replicas: int
     chief: bool

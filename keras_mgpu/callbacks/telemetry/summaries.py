@@ -65,6 +65,7 @@ class _ModelSummaries:
         # only where the traced step has summary ops, and in a fit's first
         # window (the step may not be traced yet).
         if self._ops[0] or self._windows <= 1:
+            assert self._step is not None  # made by `enter`
             self._step.assign(at)
             self._at = at
 

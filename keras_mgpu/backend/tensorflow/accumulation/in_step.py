@@ -3,11 +3,19 @@ the whole window inside one train step, as a loop over micro-batches."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import tensorflow as tf
 
 from keras_mgpu import compat
 
-class _InStepMixin:
+if TYPE_CHECKING:
+    from keras_mgpu.backend.tensorflow.accumulation.step import _Host
+else:
+    _Host = object
+
+
+class _InStepMixin(_Host):
     """Splits the step's batch into micro-batches and applies them at once."""
 
     def _in_step_train_step(self, x, y, sample_weight):

@@ -4,6 +4,7 @@ micro-batch's weighted gradients, and one window's all-reduce and update."""
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import keras
 import numpy as np
@@ -13,8 +14,35 @@ from keras_mgpu import compat
 from keras_mgpu.backend._accumulation import MIN_LOSS_SCALE
 from keras_mgpu.backend._accumulation import accumulator_dtype
 
+if TYPE_CHECKING:
+    from keras_mgpu.backend._accumulation import AccumulationHost
 
-class _StepMixin:
+    class _Host(AccumulationHost):
+        """For type checkers only: what the TensorFlow mixins (`step`,
+        `window`, `in_step`) read from one another and from
+        `AccumulationSteps` (this package's `__init__`)."""
+
+        _loop_jit_compile: bool
+
+        def _micro_batch(self, x: Any, y: Any, sample_weight: Any) -> Any: ...
+
+        def _replica_max(self, strategy: Any,
+                         values: list[Any]) -> list[Any]: ...
+
+        def _apply_window(self, strategy: Any,
+                          sums: Optional[list[Any]] = None) -> None: ...
+
+        def _sync_replica_statistics(self) -> None: ...
+
+        def _reset_window(self) -> None: ...
+
+        def _logs(self, x: Any, y: Any, y_pred: Any,
+                  sample_weight: Any) -> dict[str, Any]: ...
+else:
+    _Host = object
+
+
+class _StepMixin(_Host):
     """The micro-batch and the window update, shared by both modes."""
 
     def _micro_batch(self, x, y, sample_weight):
@@ -98,6 +126,7 @@ class _StepMixin:
         """
         variables = self.trainable_variables
         regular, overwrite = self._regular_indices, self._overwrite_indices
+        args: tuple[list[Any], ...]
         if sums is None:
             args = ()
             # Already the maximum over the window and the replicas.
@@ -223,7 +252,8 @@ class _StepMixin:
             for variable in statistics:
                 variable.assign(means[id(variable)])
 
-    _means_key = None
+    _means_key: Optional[tuple[int, ...]] = None
+    _means_function: Callable[[], Any]
 
     @staticmethod
     def _skip_window(optimizer):
@@ -240,7 +270,7 @@ def _sum_across_replicas(values):
     """A SUM all-reduce of `values`, one per dtype (one in all but a
     float64 model, whose gradients go with the float32 sample count):
     TensorFlow packs a list into one tensor, which takes one dtype."""
-    groups = {}
+    groups: dict[Any, list[int]] = {}
     for i, value in enumerate(values):
         groups.setdefault(value.dtype, []).append(i)
     context = tf.distribute.get_replica_context()

@@ -5,13 +5,19 @@ window's last micro-batch all-reduces once and applies."""
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import tensorflow as tf
 
 from keras_mgpu import compat
 
+if TYPE_CHECKING:
+    from keras_mgpu.backend.tensorflow.accumulation.step import _Host
+else:
+    _Host = object
 
-class _WindowStepMixin:
+
+class _WindowStepMixin(_Host):
     """The window-mode step and the partial window at epoch end."""
 
     @staticmethod
@@ -91,7 +97,7 @@ class _WindowStepMixin:
         with self.distribute_strategy.scope():
             self._epoch_end_function()
 
-    _epoch_end_function = None
+    _epoch_end_function: Optional[Callable[[], Any]] = None
 
 
 class _WindowState(tf.Module):

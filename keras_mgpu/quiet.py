@@ -1,7 +1,7 @@
 """A quiet TensorFlow start: `quiet_tensorflow()`, the first call of a script.
 
-    from keras_mgpu_quiet import quiet_tensorflow
-    quiet_tensorflow()  # first: TensorFlow loads without its C++ log lines
+    import keras_mgpu
+    keras_mgpu.quiet_tensorflow()  # first: TensorFlow loads without its C++ log lines
 
 While `import tensorflow` loads TensorFlow's C++ libraries, they print log
 lines before absl's logging is set up, and so before `TF_CPP_MIN_LOG_LEVEL`
@@ -15,9 +15,8 @@ changes nothing. Lines printed after the import, such as `E0000 ...
 cuda_platform.cc:52] failed call to cuInit` when TensorFlow first looks for
 devices, do follow it.
 
-This module is outside the `keras_mgpu` package and imports only the
-standard library, because importing anything from `keras_mgpu` imports Keras,
-and so TensorFlow.
+It imports only the standard library, and `import keras_mgpu` imports
+neither Keras nor TensorFlow, so the call can come first.
 """
 
 from __future__ import annotations
@@ -51,8 +50,8 @@ _done = False
 def quiet_tensorflow() -> None:
     """Imports TensorFlow without the C++ log lines it prints while it loads.
 
-    Call it first in a script, before importing TensorFlow, Keras or
-    `keras_mgpu`. It imports TensorFlow with file descriptor 2 (stderr)
+    Call it first in a script, before importing TensorFlow or Keras
+    (`import keras_mgpu` before it is fine: it imports neither). It imports TensorFlow with file descriptor 2 (stderr)
     captured, and writes the captured lines back without those that
     `TF_CPP_MIN_LOG_LEVEL` excludes: the level TensorFlow applies to its
     later lines is applied to the ones it prints while loading too.
@@ -82,11 +81,10 @@ def quiet_tensorflow() -> None:
     Example:
 
     ```python
-    from keras_mgpu_quiet import quiet_tensorflow
-    quiet_tensorflow()  # before TensorFlow, Keras or keras_mgpu
+    import keras_mgpu
+    keras_mgpu.quiet_tensorflow()  # before TensorFlow or Keras
 
     import keras
-    import keras_mgpu
     ```
     """
     global _done
@@ -96,7 +94,7 @@ def quiet_tensorflow() -> None:
         warnings.warn(
             "quiet_tensorflow() was called after TensorFlow was imported, so "
             "its start-up log lines were already printed. Call it first, "
-            "before importing tensorflow, keras or keras_mgpu.",
+            "before importing tensorflow or keras.",
             stacklevel=2)
         return
     level = os.environ.get(LEVEL_ENV)

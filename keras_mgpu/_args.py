@@ -2,11 +2,9 @@
 
 The argument parser, the constants and the list parsers it checks values
 with, importing only the standard library: `keras-mgpu --help` and a
-mistyped argument answer before TensorFlow (3-8 s) is imported. Outside the
-`keras_mgpu` package on purpose, since importing anything from it first
-imports Keras and TensorFlow. Imported by the console script
-(`keras_mgpu_cli`) and by `keras_mgpu.cli`, `_bench` and `_doctor`; it
-imports none of them.
+mistyped argument answer before TensorFlow (3-8 s) is imported. Imported by
+`keras_mgpu.cli`, `_bench`, `_doctor` and the launcher (`keras_mgpu.cluster`);
+it imports none of them.
 """
 
 from __future__ import annotations
