@@ -69,13 +69,19 @@ def merge(batches):
     return [np.concatenate(parts) for parts in zip(*batches)]
 
 
-# Every optimizer on 2 replicas; on 1 and 4 (the same internals, once the
-# replica count is not 2), Adam, and the rest with `make test-all`.
-@pytest.mark.parametrize("optimizer, replicas", [
-    pytest.param(optimizer, replicas, id=f"{optimizer}-{replicas}",
-                 marks=() if replicas == 2 or optimizer == "adam"
-                 else pytest.mark.exhaustive)
-    for optimizer in sorted(OPTIMIZERS) for replicas in (1, 2, 4)])
+def on_replicas(names, counts, everywhere, label="{name}-{replicas}"):
+    """`(name, replicas)` parameters: every name on 2 replicas, `everywhere`
+    on each count, the other pairs marked `exhaustive` (`make test-all`):
+    on 1 or 4 replicas the internals are the same for each name."""
+    return [pytest.param(name, replicas,
+                         id=label.format(name=name, replicas=replicas),
+                         marks=() if replicas == 2 or name == everywhere
+                         else pytest.mark.exhaustive)
+            for name in sorted(names) for replicas in counts]
+
+
+@pytest.mark.parametrize("optimizer, replicas",
+                         on_replicas(OPTIMIZERS, (1, 2, 4), "adam"))
 def test_accumulated_step_equals_big_batch_step(optimizer, replicas):
     micro = micro_batches([8] * 24)
     big = [merge(micro[i:i + 4]) for i in range(0, 24, 4)]

@@ -17,7 +17,7 @@ from tests import workers
 from tests.conftest import mirrored
 from tests.test_accumulation import (OPTIMIZERS, batches_dataset, float8_mlp,
                                      float8_parts, max_diff, micro_batches,
-                                     train, weights_of)
+                                     on_replicas, train, weights_of)
 
 # Five full big batches and a short last one: 20 samples split 5 per
 # replica on 4 replicas, then into micro-batches of 1 + 2 + 2.
@@ -40,13 +40,8 @@ def reference(sizes=tuple(SIZES), weights=False, **kwargs):
                  **kwargs)
 
 
-# Every optimizer on 2 replicas; on 1 and 4, Adam, and the rest with
-# `make test-all`.
-@pytest.mark.parametrize("optimizer, replicas", [
-    pytest.param(optimizer, replicas, id=f"{optimizer}-{replicas}",
-                 marks=() if replicas == 2 or optimizer == "adam"
-                 else pytest.mark.exhaustive)
-    for optimizer in sorted(OPTIMIZERS) for replicas in (1, 2, 4)])
+@pytest.mark.parametrize("optimizer, replicas",
+                         on_replicas(OPTIMIZERS, (1, 2, 4), "adam"))
 def test_in_step_equals_big_batch_step(optimizer, replicas):
     big = micro_batches(SIZES)
     expected = reference(optimizer=optimizer)

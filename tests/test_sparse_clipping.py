@@ -19,7 +19,7 @@ import tensorflow as tf
 
 from keras_mgpu import GradientAccumulationModel, compat
 from tests.conftest import mirrored
-from tests.test_accumulation import CountingAllReduce
+from tests.test_accumulation import CountingAllReduce, on_replicas
 
 VOCAB, SEQ, HIDDEN = 64, 8, 8
 GLOBAL_BATCH, STEPS = 16, 4
@@ -123,13 +123,8 @@ def plain_fit(strategy, name, **compile_kwargs):
     return model
 
 
-# Every optimizer on 2 replicas; on 1, Adam with a global norm, and the
-# rest with `make test-all`.
-@pytest.mark.parametrize("name, replicas", [
-    pytest.param(name, replicas, id=f"{name}-{replicas}replicas",
-                 marks=() if replicas == 2 or name == "adam_global_clipnorm"
-                 else pytest.mark.exhaustive)
-    for name in sorted(OPTIMIZERS) for replicas in (1, 2)])
+@pytest.mark.parametrize("name, replicas", on_replicas(
+    OPTIMIZERS, (1, 2), "adam_global_clipnorm", "{name}-{replicas}replicas"))
 def test_fit_clips_the_sparse_gradient_as_the_dense_one(name, replicas):
     reference = dense_reference(name)
     start = weights_of(build_gpt2())
