@@ -15,10 +15,13 @@ $(PY):
 	@$(PYTHON) -c 'import sys; sys.exit("keras-mgpu needs Python 3.10+, found " + sys.version.split()[0]) if sys.version_info < (3, 10) else None'
 	$(PYTHON) -m venv $(VENV)
 
+# `dev` includes the other extras a target installs: its stamp stands for
+# theirs (so `make docs` beside `make test` installs nothing).
+INCLUDED_IN_dev := demo docs
 $(VENV)/.installed-%-$(ID): pyproject.toml | $(PY)
 	$(PY) -m pip install -e '.[$*]'
 	rm -f $(VENV)/.installed-$*-*
-	touch $@
+	touch $@ $(foreach extra,$(INCLUDED_IN_$*),$(VENV)/.installed-$(extra)-$(ID))
 
 venv: $(VENV)/.installed-dev-$(ID)
 

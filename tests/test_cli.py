@@ -21,6 +21,7 @@ from keras_mgpu import _args
 from keras_mgpu import _bench
 from keras_mgpu import _doctor
 from keras_mgpu import cli
+from tests.conftest import allow_in_children
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "nvidia_smi")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -478,7 +479,8 @@ def test_plot_axes_start_at_zero_and_efficiency_is_in_percent():
 
 def test_bench_end_to_end_on_logical_cpus(tmp_path):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="-1", TF_CPP_MIN_LOG_LEVEL="2")
+    env = allow_in_children(dict(os.environ, CUDA_VISIBLE_DEVICES="-1",
+                                 TF_CPP_MIN_LOG_LEVEL="2"), "matplotlib")
     env.pop("TF_CONFIG", None)
     # The console script; its children run `python -m keras_mgpu.cli`.
     done = subprocess.run(

@@ -24,6 +24,7 @@ import time
 
 import pytest
 
+from tests.conftest import allow_in_children
 from tests.test_launch import free_slurm_job
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -151,9 +152,11 @@ RUN = [(doc, c) for doc, c in COMMANDS if not excluded(c)]
                          ids=[command_id(c) for c in RUN])
 def test_command_runs_as_pasted(doc, command, tmp_path):
     root = checkout(tmp_path)
-    proc = subprocess.run(["bash", "-c", command], cwd=root,
-                          env=doc_env(root), capture_output=True, text=True,
-                          timeout=TIMEOUT)
+    env = doc_env(root)
+    if "--plot" in command:
+        env = allow_in_children(env, "matplotlib")
+    proc = subprocess.run(["bash", "-c", command], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=TIMEOUT)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, (
         f"{doc}: {command}\nexit {proc.returncode}\n{proc.stdout[-3000:]}\n"

@@ -1,6 +1,8 @@
 """What the tested-models matrix's checks share (tests/models/): the
 sizes, the models' parameters (`.ci/run` runs `CI_MODELS`, the others are
-marked `full_matrix`, which `nox -s models` runs too), one `fit` of a
+marked `full_matrix`, which `nox -s models` runs too; the life-cycle checks
+run `CI_LIFECYCLE_MODELS`, the rest of `CI_MODELS` there is `exhaustive`),
+one `fit` of a
 catalogue model, and `record`: with `KERAS_MGPU_MATRIX_LOG=<path>` each
 check appends what it measured there (one JSON line), which
 `tests/models/report.py` turns into docs/models.md's table.
@@ -13,17 +15,30 @@ import keras
 import numpy as np
 import pytest
 
-from tests.models.catalogue import CI_MODELS, MODELS
+from tests.models.catalogue import CI_LIFECYCLE_MODELS, CI_MODELS, MODELS
 
 BACKEND = keras.backend.backend()
 MICRO = 8  # global micro-batch
 ACCUM = 2
 SAMPLES = 32  # two windows
 
-MODEL_PARAMS = [
-    pytest.param(name, marks=() if name in CI_MODELS[BACKEND]
-                 else pytest.mark.full_matrix)
-    for name in MODELS]
+
+def model_params(default=CI_MODELS):
+    """Every model as a test parameter: `default`'s for this backend
+    unmarked, the rest of `CI_MODELS` marked `exhaustive`, the others
+    `full_matrix`."""
+    def marks(name):
+        if name in default[BACKEND]:
+            return ()
+        if name in CI_MODELS[BACKEND]:
+            return pytest.mark.exhaustive
+        return pytest.mark.full_matrix
+
+    return [pytest.param(name, marks=marks(name)) for name in MODELS]
+
+
+MODEL_PARAMS = model_params()
+LIFECYCLE_PARAMS = model_params(CI_LIFECYCLE_MODELS)
 
 
 def record(model, check, **measured):

@@ -18,14 +18,14 @@ from keras_mgpu.runtime import training_runtime
 from tests.models import workers
 from tests.models.catalogue import MODELS
 from tests.models.matrix import (
-    ACCUM, BACKEND, MICRO, MODEL_PARAMS, SAMPLES, crossentropy, fit,
+    ACCUM, BACKEND, LIFECYCLE_PARAMS, MICRO, SAMPLES, crossentropy, fit,
     max_diff, record, subset)
 
 
 # --- kill and resume ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", MODEL_PARAMS)
+@pytest.mark.parametrize("name", LIFECYCLE_PARAMS)
 def test_sigkill_mid_window_resumes_exactly(two_replicas, run_workers, name,
                                             tmp_path):
     """Killed after global batch 8 of 12 (mid-epoch 2, mid-window), once
@@ -58,7 +58,7 @@ def test_sigkill_mid_window_resumes_exactly(two_replicas, run_workers, name,
 # --- saving and serving ------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", MODEL_PARAMS)
+@pytest.mark.parametrize("name", LIFECYCLE_PARAMS)
 def test_saved_loaded_trained_and_exported(two_replicas, name, tmp_path):
     """The wrapper saved mid-window to `.keras` and loaded trains on as the
     original does; the inner model exported for serving predicts as it
@@ -106,7 +106,7 @@ def test_saved_loaded_trained_and_exported(two_replicas, name, tmp_path):
 # --- Keras's own accumulation under every callback ---------------------------
 
 
-@pytest.mark.parametrize("name", MODEL_PARAMS)
+@pytest.mark.parametrize("name", LIFECYCLE_PARAMS)
 def test_keras_accumulation_with_every_callback(two_replicas, name, tmp_path):
     """`gradient_accumulation_steps` (on one device on TensorFlow, where it
     fails under `MirroredStrategy`: keras-team/keras#20582) with the
