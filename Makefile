@@ -16,7 +16,7 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 # `dev` includes the other extras a target installs: its stamp stands for
-# theirs (so `make docs` beside `make test` installs nothing).
+# theirs (so `make docs` after `make venv` installs nothing).
 INCLUDED_IN_dev := demo docs
 $(VENV)/.installed-%-$(ID): pyproject.toml | $(PY)
 	$(PY) -m pip install -e '.[$*]'

@@ -26,7 +26,6 @@ MAX_LOGICAL_CPUS = 4
 LOGICAL_CPUS = strategy_lib.configure_virtual_cpus(MAX_LOGICAL_CPUS)
 
 
-
 def pytest_configure(config):
     """Child processes start without the optional packages TensorFlow and
     Keras import whenever installed (tests/_child_site/sitecustomize.py
