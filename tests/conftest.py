@@ -26,21 +26,26 @@ MAX_LOGICAL_CPUS = 4
 LOGICAL_CPUS = strategy_lib.configure_virtual_cpus(MAX_LOGICAL_CPUS)
 
 
+# The optional packages TensorFlow and Keras import whenever installed,
+# which child processes start without (tests/_child_site/sitecustomize.py
+# says why).
+HIDDEN_FROM_CHILDREN = ("jax", "matplotlib", "sklearn")
+
+
 def pytest_configure(config):
-    """Child processes start without the optional packages TensorFlow and
-    Keras import whenever installed (tests/_child_site/sitecustomize.py
-    says why); jax stays where they run on the JAX backend. Not in
-    pytest-xdist's controller: its workers, which run the tests in process,
-    would inherit it."""
+    """Child processes start without `HIDDEN_FROM_CHILDREN`, but with jax
+    where they run on the JAX backend. Not in pytest-xdist's controller:
+    its workers, which run the tests in process, would inherit it."""
     if (getattr(config.option, "numprocesses", None)
             and not hasattr(config, "workerinput")):
         return
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [
         os.path.join(os.path.dirname(__file__), "_child_site"),
         os.environ.get("PYTHONPATH")]))
-    os.environ["KERAS_MGPU_TESTS_HIDE"] = (
-        "matplotlib,sklearn" if keras.backend.backend() == "jax"
-        else "jax,matplotlib,sklearn")
+    jax_backend = keras.backend.backend() == "jax"
+    os.environ.update(hide_in_children({}, [
+        name for name in HIDDEN_FROM_CHILDREN
+        if not (jax_backend and name == "jax")]))
 
 
 # The JAX backend's own tests need JAX's devices, not TensorFlow's.
@@ -128,12 +133,18 @@ def float64():
             dtypes.BIT64_TO_BIT32_DTYPE["float64"] = demoted
 
 
+def hide_in_children(env: dict, names) -> dict:
+    """`env` in whose child processes exactly the packages `names` are
+    missing (tests/_child_site/sitecustomize.py)."""
+    return dict(env, KERAS_MGPU_TESTS_HIDE=",".join(names))
+
+
 def allow_in_children(env: dict, *names: str) -> dict:
     """`env` with the optional packages `names` no longer hidden from the
     child processes started with it (`pytest_configure` hides them)."""
     hidden = env.get("KERAS_MGPU_TESTS_HIDE", "").split(",")
-    return dict(env, KERAS_MGPU_TESTS_HIDE=",".join(
-        name for name in hidden if name not in names))
+    return hide_in_children(env, [name for name in hidden
+                                  if name and name not in names])
 
 
 @pytest.fixture

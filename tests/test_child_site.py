@@ -8,9 +8,8 @@ import sys
 
 import keras
 
-from tests.conftest import allow_in_children
+from tests.conftest import HIDDEN_FROM_CHILDREN, allow_in_children
 
-HIDDEN = ("jax", "matplotlib", "sklearn")
 PROBE = """
 import importlib, sys
 import keras, tensorflow
@@ -24,7 +23,8 @@ except ModuleNotFoundError as e:
 
 
 def probe(env, name):
-    proc = subprocess.run([sys.executable, "-c", PROBE % (HIDDEN, name)],
+    proc = subprocess.run([sys.executable, "-c",
+                           PROBE % (HIDDEN_FROM_CHILDREN, name)],
                           env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

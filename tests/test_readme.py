@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.conftest import allow_in_children
+from tests.conftest import allow_in_children, hide_in_children
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
@@ -107,10 +107,9 @@ def test_the_telemetry_snippet_runs_where_the_quick_start_installed(
     pasted: here with the other extras' packages unimportable."""
     code = next(c for c in blocks("python")
                 if snippet_id(c) == "DistributedLogger(")
-    hide = "".join(f"sys.modules[{name!r}] = None\n"
-                   for name in NOT_IN_THE_QUICK_START)
-    proc = subprocess.run([sys.executable, "-c", f"import sys\n{hide}{code}"],
-                          cwd=tmp_path, env=quiet_env("3"),
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path,
+                          env=hide_in_children(quiet_env("3"),
+                                               NOT_IN_THE_QUICK_START),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert PRINTS["DistributedLogger("] in proc.stdout, proc.stdout

@@ -2,9 +2,9 @@
 sizes, the models' parameters (`.ci/run` runs `CI_MODELS`, the others are
 marked `full_matrix`, which `nox -s models` runs too; the life-cycle checks
 run `CI_LIFECYCLE_MODELS`, the rest of `CI_MODELS` there is `exhaustive`),
-one `fit` of a
-catalogue model, and `record`: with `KERAS_MGPU_MATRIX_LOG=<path>` each
-check appends what it measured there (one JSON line), which
+one `fit` of a catalogue model, and `record`: with
+`KERAS_MGPU_MATRIX_LOG=<path>` each check appends what it measured there
+(one JSON line), which
 `tests/models/report.py` turns into docs/models.md's table.
 """
 
