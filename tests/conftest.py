@@ -11,6 +11,7 @@ is collected only with `KERAS_BACKEND=jax` (with 2 forced host devices:
 """
 
 import os
+import signal
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -145,6 +146,15 @@ def allow_in_children(env: dict, *names: str) -> dict:
     hidden = env.get("KERAS_MGPU_TESTS_HIDE", "").split(",")
     return hide_in_children(env, [name for name in hidden
                                   if name and name not in names])
+
+
+@pytest.fixture
+def python_sigint_handler():
+    """Python's own SIGINT handler as the test begins (keras-mgpu's takes
+    its place when a callback is made), the previous one after."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
 
 @pytest.fixture

@@ -347,21 +347,39 @@ def test_close_with_closes_the_files_when_the_owner_is_collected(log_dir):
     assert [json.loads(line)["step"] for line in read_back(log_dir)] == [4]
 
 
+# Where a Ctrl-C (a KeyboardInterrupt) can land as the background writer
+# starts: before `Thread.start` registers it, or after (Python has listed
+# it in `threading.enumerate()` and never starts it).
+_START_NEW_THREAD = ("_start_joinable_thread"
+                     if hasattr(threading, "_start_joinable_thread")
+                     else "_start_new_thread")
+
+
+@pytest.mark.parametrize("where", ["Thread.start", _START_NEW_THREAD])
 def test_a_ctrl_c_as_the_writer_starts_loses_nothing_at_close(
-        tmp_path, monkeypatch):
-    # Ctrl-C (a KeyboardInterrupt) lands as the background writer starts;
-    # the close at exit still writes what was queued (it raised instead).
+        tmp_path, monkeypatch, where):
+    # The close at exit still writes what was queued, on its own thread,
+    # without joining the writer that never started.
     log_dir = f"ram://keras_mgpu_test/{tmp_path.name}/interrupted"
     sinks = Sinks(log_dir, None)
-    start = threading.Thread.start
+    owner, name = ((threading.Thread, "start") if where == "Thread.start"
+                   else (threading, where))
+    original = getattr(owner, name)
 
-    def interrupted(thread):
-        monkeypatch.setattr(threading.Thread, "start", start)
+    def interrupted(*args, **kwargs):
+        monkeypatch.setattr(owner, name, original)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(threading.Thread, "start", interrupted)
+    monkeypatch.setattr(owner, name, interrupted)
     record = make_record(step=4)
     with pytest.raises(KeyboardInterrupt):
         sinks.submit(record)
-    sinks.close()
+    writer = sinks._thread
+    registered = writer in threading.enumerate()
+    try:
+        assert registered == (where != "Thread.start")
+        sinks.close()
+    finally:
+        threading._limbo.pop(writer, None)
     assert [json.loads(line) for line in read_back(log_dir)] == [record]
+    assert not writer.is_alive()

@@ -16,6 +16,7 @@ module per upstream concern:
 - `saving`: the weights snapshot and its in-memory `.weights.h5` file;
 - `callbacks`: the initial epoch of the backup;
 - `fit_context`: the running `fit`'s callbacks and epoch iterator;
+- `interrupts`: Ctrl-C during `fit`, taken at the next batch;
 - `telemetry`: the sample count and `tf.summary`'s state;
 - `train_loop`: the timed train function and the running `fit`'s epoch
   iterator;
@@ -69,6 +70,9 @@ from keras_mgpu.compat.fit_context import record_fits  # noqa: F401
 from keras_mgpu.compat.fit_context import record_fits_from_import  # noqa: F401
 from keras_mgpu.compat.fit_context import running_fit  # noqa: F401
 from keras_mgpu.compat.fit_context import given_to_running_fit  # noqa: F401
+from keras_mgpu.compat.interrupts import defer_ctrl_c  # noqa: F401
+from keras_mgpu.compat.interrupts import keep_ctrl_c  # noqa: F401
+from keras_mgpu.compat.interrupts import raise_deferred_ctrl_c  # noqa: F401
 from keras_mgpu.compat.keras_trainer import _copied_originals  # noqa: F401
 from keras_mgpu.compat.keras_trainer import active_trainer_module  # noqa: F401
 from keras_mgpu.compat.keras_trainer import enable_multi_step_fit  # noqa: F401

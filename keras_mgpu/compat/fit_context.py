@@ -6,9 +6,11 @@ Keras gives a callback its model and `params`, not the list of callbacks it
 runs in nor the epoch iterator whose position a resume continues. From
 `import keras_mgpu` on, the trainer's `fit` records itself while it runs,
 and an `EpochIterator` made inside it is recorded as that fit's (the first:
-the training data's; validation's comes later). Both wrappers only record:
-what `fit` does is Keras's own. `record_fits()` checks, where keras-mgpu's
-callbacks and runtime are made, that this Keras has what they rely on.
+the training data's; validation's comes later). Both wrappers only record
+(and `fit` raises, as it returns, a Ctrl-C deferred to a next batch that did
+not come: compat/interrupts.py); what `fit` does is Keras's own.
+`record_fits()` checks, where keras-mgpu's callbacks and runtime are made,
+that this Keras has what they rely on.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import keras
 
 from keras_mgpu.compat._core import (
     _internals_error, _module_if_present, _require, _require_module)
+from keras_mgpu.compat.interrupts import raise_deferred_ctrl_c
 from keras_mgpu.compat.keras_trainer import active_trainer_module
 from keras_mgpu.compat.keras_trainer import trainer_class
 from keras_mgpu.compat.registry import _RUNNING_FIT
@@ -120,9 +123,12 @@ def _wrap(trainer, iterator_class) -> None:
             fits = _running()
             fits.append(RunningFit(self, _flat_callbacks(callbacks)))
             try:
-                return fit(self, *args, **kwargs)
+                history = fit(self, *args, **kwargs)
             finally:
                 fits.pop().running = False
+            # A Ctrl-C deferred to a next batch that did not come.
+            raise_deferred_ctrl_c()
+            return history
 
         @functools.wraps(make_iterator)
         def recorded_init(self, *args, **kwargs):

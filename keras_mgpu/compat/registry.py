@@ -195,6 +195,23 @@ _RUNNING_FIT = _workaround(
     "(they do nothing else); checked where keras-mgpu's callbacks are made",
     remove_when="Keras gives callbacks their `CallbackList` and the epoch "
     "iterator's position (no upstream issue yet)")
+_CTRL_C = _workaround(
+    "Ctrl-C during fit, taken at the next batch",
+    upstream=f"{_KERAS}/blob/v3.15.1/keras/src/utils/python_utils.py",
+    works_around="a KeyboardInterrupt raised where a Ctrl-C lands is lost "
+    "in Keras's log conversion before each callback (a bare `except:` in "
+    "`pythonify_logs`) and in TensorFlow's eager fast path "
+    "(`TFE_Py_FastPathExecute` clears an error raised by the Python it "
+    "calls, such as `TensorShape.__len__` as an epoch's data iterator is "
+    "made, then may corrupt the heap): `fit` goes on, or the process dies",
+    applied="where keras-mgpu's callbacks and runtime are made, on the main "
+    "thread, if Python's own SIGINT handler is in place: inside a `fit` "
+    "with keras-mgpu's runtime, a first Ctrl-C is raised at the next "
+    "training or validation batch, or as `fit` returns; a second at once",
+    remove_when="neither loses a KeyboardInterrupt: "
+    "`test_stock_keras_still_swallows_ctrl_c_in_its_log_conversion` and "
+    "`test_tensorflow_still_loses_a_ctrl_c_as_an_epochs_iterator_is_made` "
+    "fail")
 _TELEMETRY = _workaround(
     "the training runtime's sample count",
     upstream=f"{_KERAS_TF}/trainer.py",

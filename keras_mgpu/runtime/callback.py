@@ -39,6 +39,7 @@ class RuntimeCallback(keras.callbacks.Callback):
         # Refuses a Keras without what the runtime reads of a running `fit`
         # now, not at the first batch.
         compat.record_fits()
+        compat.keep_ctrl_c()
 
     def set_model(self, model):
         super().set_model(model)
@@ -71,6 +72,10 @@ class RuntimeCallback(keras.callbacks.Callback):
 
     def on_test_begin(self, logs=None):
         self.runtime.test_begin()
+
+    def on_test_batch_begin(self, batch, logs=None):
+        # A Ctrl-C during validation inside `fit` (deferred there).
+        compat.raise_deferred_ctrl_c()
 
     def on_epoch_end(self, epoch, logs=None):
         self.runtime.epoch_end(epoch)

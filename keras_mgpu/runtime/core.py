@@ -66,6 +66,7 @@ def training_runtime(model: keras.Model) -> "TrainingRuntime":
         runtime = TrainingRuntime(model)
         model._keras_mgpu_runtime = runtime
         compat.record_fits()  # checks this Keras
+        compat.keep_ctrl_c()
     return runtime
 
 
@@ -175,6 +176,7 @@ class TrainingRuntime(_TrainFunctionWrapper, ResumeSkipping,
         if self._in_fit and (not params or params is self._fit_params):
             return
         self._check_support()
+        compat.defer_ctrl_c(compat.running_fit(self.model))
         self._in_fit = True
         self._fit_params = params
         self._event = None
@@ -202,6 +204,7 @@ class TrainingRuntime(_TrainFunctionWrapper, ResumeSkipping,
             self._samples_at_epoch_start = self._samples_before_epoch
 
     def train_batch_begin(self, batch: int) -> None:
+        compat.raise_deferred_ctrl_c()
         if not self._once(("batch", self.epoch, batch)):
             return
         self._install()

@@ -163,18 +163,20 @@ class Sinks:
             closer.detach()
         self.release()
         with self._lock:
-            idle = not self._running and self._queue.empty()
-        if not idle:
-            self._put(_CLOSE)
-            thread = self._thread
-            assert thread is not None  # `_put` made one
-            if thread.ident is None and thread not in threading.enumerate():
-                # A Ctrl-C came between its creation and its start (this
-                # close runs at exit then); one starting is listed.
-                thread.start()
-            thread.join()
-        # Idle (a drained logger dropped, or closed at exit, where Python
-        # 3.12+ refuses new threads): nothing to write, close here.
+            self._queue.put(_CLOSE)
+            writer = self._thread if self._running else None
+            if writer is None or writer.ident is None:
+                # No writer, or a Ctrl-C interrupted its `start` (this close
+                # then runs at exit, where Python 3.12+ starts no thread):
+                # this thread writes. That writer, should it start after
+                # all, finds it is no longer the writer and returns.
+                self._thread = threading.current_thread()
+                self._running = True
+                writer = None
+        if writer is None:
+            self._serve()
+        else:
+            writer.join()
         for writer in self.run_writers():
             writer.close()
         self._jsonl.close()
@@ -205,6 +207,13 @@ class Sinks:
             ) from error
 
     def _run(self) -> None:
+        with self._lock:
+            if threading.current_thread() is not self._thread:
+                return  # replaced by `close`, its start interrupted
+        self._serve()
+
+    def _serve(self) -> None:
+        """Writes queued records until `_CLOSE`, or until idle."""
         while True:
             try:
                 records = [self._queue.get(timeout=IDLE_SECONDS)]
