@@ -28,22 +28,32 @@ venv: $(VENV)/.installed-dev-$(ID)
 demo: $(VENV)/.installed-demo-$(ID)
 	$(PY) examples/demo.py $(DEMO_ARGS)
 
-# The whole suite on Keras's TensorFlow backend, then the tests that run
-# on either backend (tests/backends/, the models matrix's tests/models/)
-# and JAX's own (tests/jax/) on the JAX backend, over 2 forced host
-# devices. Both run the matrix's CI models; `make models` runs them all.
+# The whole suite on Keras's TensorFlow backend and, beside it, the tests
+# that run on either backend (tests/backends/, the models matrix's
+# tests/models/) and JAX's own (tests/jax/) on the JAX backend, over 2
+# forced host devices. Both run the matrix's CI models; `make models` runs
+# them all. The suite leaves the CPUs idle for a sixth of its time (its
+# tests wait on child processes and signals): the JAX run, on one pytest
+# worker, fills it; its output follows the suite's.
 JAX_ENV := KERAS_BACKEND=jax XLA_FLAGS=--xla_force_host_platform_device_count=2
 JAX_TESTS := tests/backends tests/models tests/jax
+define SUITE_AND_JAX_BESIDE
+	@jax_log=$$(mktemp); \
+	$(JAX_ENV) $(PY) -m pytest -n 1 $(1) $(JAX_TESTS) >"$$jax_log" 2>&1 & \
+	jax=$$!; \
+	$(PY) -m pytest -n 2 --dist loadfile $(1) $(PYTEST_ARGS); suite=$$?; \
+	wait $$jax; jax_status=$$?; \
+	cat "$$jax_log"; rm -f "$$jax_log"; \
+	[ $$suite -eq 0 ] && [ $$jax_status -eq 0 ]
+endef
 test: $(VENV)/.installed-dev-$(ID)
-	$(PY) -m pytest -n 2 --dist loadfile $(PYTEST_ARGS)
-	$(JAX_ENV) $(PY) -m pytest -n 2 --dist loadfile $(JAX_TESTS)
+	$(call SUITE_AND_JAX_BESIDE,)
 
 # `make test` with the exhaustive variants (pytest's `exhaustive` marker:
 # more replica counts, optimizers, log levels and examples on the code
 # paths the default run covers).
 test-all: $(VENV)/.installed-dev-$(ID)
-	$(PY) -m pytest -n 2 --dist loadfile -m "not full_matrix" $(PYTEST_ARGS)
-	$(JAX_ENV) $(PY) -m pytest -n 2 --dist loadfile -m "not full_matrix" $(JAX_TESTS)
+	$(call SUITE_AND_JAX_BESIDE,-m "not full_matrix")
 
 # The JAX backend's run alone.
 test-jax: $(VENV)/.installed-dev-$(ID)

@@ -13,6 +13,8 @@ goes here, in `keras_mgpu.compat.TESTED_KERAS` and in docs/compatibility.md's
 compatibility table together.
 """
 
+import os
+
 import nox
 
 nox.options.default_venv_backend = "venv"
@@ -124,7 +126,9 @@ def _run_critical(session: nox.Session, *extra: str) -> None:
                 "print('testing TensorFlow', tf.__version__, "
                 "'with Keras', keras.__version__)")
     deselected = [f"--deselect={test}" for test in NOT_VERSION_SENSITIVE]
-    session.run("python", "-m", "pytest", "-n", "2", "--dist", "loadfile",
+    # .ci/run runs this beside `make test`, on one pytest worker.
+    workers = os.environ.get("KERAS_MGPU_NOX_WORKERS", "2")
+    session.run("python", "-m", "pytest", "-n", workers, "--dist", "loadfile",
                 *(session.posargs or [*CRITICAL, *extra, *deselected]),
                 env={"TF_CPP_MIN_LOG_LEVEL": "2"})
 
