@@ -707,6 +707,13 @@ def test_stock_keras_still_swallows_ctrl_c_in_its_log_conversion():
     assert isinstance(logs["loss"], _Interrupted)
 
 
+def _compiled_mlp():
+    """The suite's MLP, compiled, and 32 samples: 4 steps of 8 an epoch."""
+    model = workers.build_mlp()
+    model.compile("sgd", "mse")
+    return (model, *workers.regression_data(32))
+
+
 def _fit_with_ctrl_c_as_epoch_2_begins(callback):
     """A 3-epoch `fit` of 4 steps an epoch, to which a real SIGINT comes
     while TensorFlow makes the data iterator of epoch 2 (Keras makes one an
@@ -740,9 +747,7 @@ def _fit_with_ctrl_c_as_epoch_2_begins(callback):
     tensor_shape.TensorShape.__len__ = interrupting_len
     iterator_ops.OwnedIterator._create_iterator = create_iterator
     try:
-        model = workers.build_mlp()
-        model.compile("sgd", "mse")
-        x, y = workers.regression_data(32)
+        model, x, y = _compiled_mlp()
         model.fit(x, y, batch_size=8, epochs=3, verbose=0, shuffle=False,
                   callbacks=[Epochs(), callback])
         return int(model.optimizer.iterations.numpy())
@@ -813,9 +818,7 @@ def test_a_ctrl_c_is_raised_at_the_next_batch_or_as_fit_returns(
     from keras_mgpu.runtime import RuntimeCallback
 
     runtime_callback = RuntimeCallback()
-    model = workers.build_mlp()
-    model.compile("sgd", "mse")
-    x, y = workers.regression_data(32)
+    model, x, y = _compiled_mlp()
     with pytest.raises(KeyboardInterrupt) as raised:
         model.fit(x, y, batch_size=8, epochs=1, verbose=0,
                   validation_data=(x, y),
@@ -829,9 +832,7 @@ def test_a_second_ctrl_c_raises_at_once_and_the_next_fit_forgets_both(
     from keras_mgpu.runtime import RuntimeCallback
 
     runtime_callback = RuntimeCallback()
-    model = workers.build_mlp()
-    model.compile("sgd", "mse")
-    x, y = workers.regression_data(32)
+    model, x, y = _compiled_mlp()
     with pytest.raises(KeyboardInterrupt) as raised:
         model.fit(x, y, batch_size=8, epochs=1, verbose=0,
                   callbacks=[runtime_callback,
