@@ -164,19 +164,19 @@ class Sinks:
         self.release()
         with self._lock:
             self._queue.put(_CLOSE)
-            writer = self._thread if self._running else None
-            if writer is None or writer.ident is None:
+            thread = self._thread if self._running else None
+            if thread is None or thread.ident is None:
                 # No writer, or a Ctrl-C interrupted its `start` (this close
                 # then runs at exit, where Python 3.12+ starts no thread):
                 # this thread writes. That writer, should it start after
                 # all, finds it is no longer the writer and returns.
                 self._thread = threading.current_thread()
                 self._running = True
-                writer = None
-        if writer is None:
+                thread = None
+        if thread is None:
             self._serve()
         else:
-            writer.join()
+            thread.join()
         for writer in self.run_writers():
             writer.close()
         self._jsonl.close()
