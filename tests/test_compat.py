@@ -848,15 +848,12 @@ def test_a_second_ctrl_c_raises_at_once_and_the_next_fit_forgets_both(
         signal.raise_signal(signal.SIGINT)
 
 
-def test_a_programs_own_sigint_handler_is_kept():
+def test_a_programs_own_sigint_handler_is_kept(python_sigint_handler):
     from keras_mgpu.runtime import RuntimeCallback
 
     def own(signum, frame):
         pass
 
-    previous = signal.signal(signal.SIGINT, own)
-    try:
-        RuntimeCallback()
-        assert signal.getsignal(signal.SIGINT) is own
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    signal.signal(signal.SIGINT, own)
+    RuntimeCallback()
+    assert signal.getsignal(signal.SIGINT) is own
