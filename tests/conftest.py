@@ -164,6 +164,23 @@ def reset_policy():
     keras.mixed_precision.set_global_policy("float32")
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _workers_forked_from_a_zygote():
+    """The suite's own worker functions start by fork from an interpreter
+    with TensorFlow imported (tests/zygote.py says why and how);
+    `KERAS_MGPU_TESTS_FRESH_WORKERS=1` starts each as a fresh one."""
+    if os.environ.get("KERAS_MGPU_TESTS_FRESH_WORKERS") == "1":
+        yield
+        return
+    from keras_mgpu.cluster import workers
+    from tests import zygote
+
+    undo = zygote.install(workers)
+    yield
+    undo()
+    zygote.close_all()
+
+
 @pytest.fixture
 def run_workers():
     """`launcher.run_local_workers` with a test-sized default timeout."""

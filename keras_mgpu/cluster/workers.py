@@ -187,12 +187,7 @@ def _run_cluster(command: list, num_workers: int, extras: list, *,
             out = open(os.path.join(workdir, f"stdout{i}"), "w+")
             err = open(os.path.join(workdir, f"stderr{i}"), "w+")
             files.append((out, err))
-            procs.append(
-                subprocess.Popen(
-                    tied_to_launcher(command), env=child_env, cwd=cwd,
-                    stdout=out, stderr=err, start_new_session=True,
-                )
-            )
+            procs.append(_start_worker(command, child_env, cwd, out, err))
         killed, stopped, first, stop_reason = _wait(
             procs, files, timeout, marker, to_kill, kill_signal,
             echoer, labels, watchdog, stop, grace_period)
@@ -205,6 +200,17 @@ def _run_cluster(command: list, num_workers: int, extras: list, *,
         raise
     _end(procs, files, workdir, echoer)
     return results, first, stop_reason, echoer.held_back()
+
+
+def _start_worker(command: list, env: dict, cwd: Optional[str],
+                  stdout: TextIO, stderr: TextIO) -> subprocess.Popen:
+    """Starts one worker: its own session (the launcher kills its whole
+    process group), ended with the launcher. The test suite forks its
+    workers from an interpreter that has TensorFlow imported instead
+    (tests/zygote.py), through this one function."""
+    return subprocess.Popen(tied_to_launcher(command), env=env, cwd=cwd,
+                            stdout=stdout, stderr=stderr,
+                            start_new_session=True)
 
 
 def _end(procs, files, workdir, echoer) -> None:
