@@ -34,10 +34,10 @@ import sys
 import tempfile
 import threading
 
-# Set per worker or per attempt by the launcher and `launch`, and SLURM's
-# per task; read only once the worker runs.
+# Set per worker or per attempt by the launcher and `launch`, SLURM's per
+# task, and pytest's per test; read only once the worker runs, if at all.
 _READ_AT_RUN_TIME = ("TF_CONFIG", "KERAS_MGPU_RESULT", "KERAS_MGPU_ATTEMPT",
-                     "SLURM_")
+                     "SLURM_", "PYTEST_CURRENT_TEST")
 
 
 def _import_time(env):
