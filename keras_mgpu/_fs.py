@@ -248,10 +248,15 @@ def _rewrite_to_append(path: str, torn: bool):
     rewritten, a torn last one closed off, and open to write more."""
     with tf.io.gfile.GFile(path, "rb") as f:
         content = f.read()
+    return replace_to_append(path, content + (b"\n" if torn else b""))
+
+
+def replace_to_append(path: str, content: bytes):
+    """The file at a URL replaced by `content`, and open to write more."""
     # Removed first: "w" need not truncate (ram:// does not, in TF 2.21).
     # A crash before the flush below loses the old lines.
     tf.io.gfile.remove(path)
     f = tf.io.gfile.GFile(path, "w")
-    f.write(content + (b"\n" if torn else b""))
+    f.write(content)
     f.flush()
     return f

@@ -25,9 +25,13 @@ def classification_data(num_samples=GLOBAL_BATCH * STEPS_PER_EPOCH, seed=0):
     return x, labels
 
 
-def train(backup_dir, log_dir, replicas=1, accumulate=False, kill_at=None):
+def train(backup_dir, log_dir, replicas=1, accumulate=False, kill_at=None,
+          hold_generation=None):
     """`replicas`: 1 (the default strategy, or one replica per worker under
-    TF_CONFIG) or 2 (MirroredStrategy over 2 logical CPUs)."""
+    TF_CONFIG) or 2 (MirroredStrategy over 2 logical CPUs).
+    `hold_generation`: the backup's write of that generation (the one of
+    step `SAVE_FREQ * hold_generation`) holds before its commit while
+    training goes on, so a kill resumes from the one before."""
     import keras_mgpu
 
     strategy = keras_mgpu.auto_strategy(
@@ -57,11 +61,15 @@ def train(backup_dir, log_dir, replicas=1, accumulate=False, kill_at=None):
                       "sparse_categorical_crossentropy", metrics=["accuracy"])
 
     runtime = training_runtime(model)
+    if hold_generation is not None:
+        from tests import backup_workers
+
+        backup_workers._hold_the_store_at("moved", hold_generation)
 
     def on_batch_end(batch, logs):
         if not keras_mgpu.is_chief():
             return
-        if runtime.global_step == kill_at:
+        if runtime.global_step == kill_at and hold_generation is None:
             # The save of this step is written in the background: the kill
             # lands after its commit.
             workers.finish_backup_writes()

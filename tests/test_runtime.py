@@ -61,7 +61,8 @@ def read_events(log_dir):
     return events
 
 
-def run(tmp_path, name, strategy, accumulate, kill_at=None, replicas=None):
+def run(tmp_path, name, strategy, accumulate, kill_at=None, replicas=None,
+        hold_generation=None):
     num_workers, default_replicas = STRATEGIES[strategy]
     options = {}
     if kill_at is not None:
@@ -72,7 +73,8 @@ def run(tmp_path, name, strategy, accumulate, kill_at=None, replicas=None):
         kwargs={"backup_dir": str(tmp_path / name / "backup"),
                 "log_dir": str(tmp_path / name / "logs"),
                 "replicas": replicas or default_replicas,
-                "accumulate": accumulate, "kill_at": kill_at},
+                "accumulate": accumulate, "kill_at": kill_at,
+                "hold_generation": hold_generation},
         **options)
     if kill_at is not None:
         assert all(r.killed and r.returncode == -signal.SIGKILL
@@ -167,6 +169,49 @@ def test_killed_run_resumes_exactly_with_continuous_logs(
     loss_steps = [step for step, _ in events["batch_loss"]]
     assert len(loss_steps) == len(set(loss_steps)), "a step written twice"
     assert max(loss_steps) == LAST_STEP
+
+
+def test_steps_trained_again_after_a_resume_are_recorded_once(
+        uninterrupted, tmp_path):
+    """Killed at step 13 while the save of step 12 had not committed: the
+    resume continues from step 10, and the window recorded at step 11 is
+    trained and recorded again."""
+    full, full_records = uninterrupted("default", False)
+    run(tmp_path, "run", "default", False, kill_at=13,
+        hold_generation=12 // rw.SAVE_FREQ)
+    resumed = run(tmp_path, "run", "default", False)
+    assert resumed["iterations"] == full["iterations"]
+    assert max_diff(resumed["weights"], full["weights"]) <= 1e-6
+
+    logs = str(tmp_path / "run" / "logs")
+    records = read_jsonl(logs)
+    resume, = [r for r in records if r["kind"] == "resume"]
+    assert resume["step"] == 10
+    assert [(r["kind"], r["step"]) for r in records if r["superseded"]] == [
+        ("window", 11)]
+    live = [(r["kind"], r["step"]) for r in records
+            if r["kind"] != "resume" and not r["superseded"]]
+    assert live == [(r["kind"], r["step"]) for r in full_records]
+    # TensorBoard (its loader that honours the restart marker): each step
+    # once, with the value of the attempt that trained it last. The epoch's
+    # mean loss restarts with the attempt, so the two values of step 11
+    # differ.
+    superseded, = [r for r in records if r["superseded"]]
+    again, = [r for r in records if r["step"] == 11 and not r["superseded"]]
+    assert superseded["metrics"]["loss"] != again["metrics"]["loss"]
+    from tensorboard.backend.event_processing import (
+        plugin_event_accumulator)
+
+    accumulator = plugin_event_accumulator.EventAccumulator(
+        os.path.join(logs, "train"), size_guidance={"tensors": 0})
+    accumulator.Reload()
+    loss = [(e.step, float(tf.make_ndarray(e.tensor_proto)))
+            for e in accumulator.Tensors("batch_loss")]
+    expected = [(r["step"], r["metrics"]["loss"]) for r in records
+                if r["kind"] == "window" and not r["superseded"]]
+    assert [step for step, _ in loss] == [step for step, _ in expected]
+    assert np.allclose([v for _, v in loss], [v for _, v in expected],
+                       atol=1e-6)
 
 
 def test_multi_worker_matches_single_process(uninterrupted):

@@ -36,7 +36,8 @@ def make_record(kind="window", step=4, epoch=0, metrics=None, **values):
         examples_per_sec_per_replica=64.0, step_time_mean=0.125,
         step_time_max=0.25, input_wait=0.01, input_bound="no",
         learning_rate=0.01, memory={}, workers=1, replicas=1,
-        metrics={"loss": 0.5} if metrics is None else metrics)
+        metrics={"loss": 0.5} if metrics is None else metrics,
+        superseded=False)
     record.update(values)
     assert tuple(record) == JSONL_KEYS
     return record
@@ -101,7 +102,7 @@ def test_jsonl_keys_are_the_schema_in_its_order():
         "learning_rate", "loss_scale", "skipped_steps", "grad_norm",
         "accum_step", "memory", "workers", "replicas", "worker_step_time",
         "worker_examples_per_sec", "worker_input_wait", "slowest_worker",
-        "metrics", "resume")
+        "metrics", "resume", "superseded")
     assert len(set(JSONL_KEYS)) == len(JSONL_KEYS)
     # One tuple, wherever it is imported from.
     assert keras_mgpu.callbacks.JSONL_KEYS is JSONL_KEYS
@@ -383,3 +384,89 @@ def test_a_ctrl_c_as_the_writer_starts_loses_nothing_at_close(
         threading._limbo.pop(writer, None)
     assert [json.loads(line) for line in read_back(log_dir)] == [record]
     assert not writer.is_alive()
+
+
+# --- A resume that redoes steps -----------------------------------------------
+
+def attempt(log_dir, first_step, last_step, loss, begin_at=None):
+    """One process's records: a window every 2 steps from `first_step` to
+    `last_step`, its loss `loss`, an epoch record at step 8; after
+    `begin_at(begin_at)` when given."""
+    sinks = Sinks(log_dir, None)
+    try:
+        if begin_at is not None:
+            sinks.begin_at(begin_at)
+        for step in range(first_step, last_step + 1, 2):
+            sinks.submit(make_record(step=step, metrics={"loss": loss}))
+            if step == 8:
+                sinks.submit(make_record("epoch", step=8,
+                                         metrics={"loss": loss}))
+    finally:
+        sinks.close()
+
+
+def restarted_tensors(log_dir, tag) -> list:
+    """[(step, value)] of `tag` in the train run as TensorBoard loads it
+    with `--load_fast=false` (its plugin loader, which honours restart
+    markers; its data server keeps the newest value of a step)."""
+    from tensorboard.backend.event_processing import (
+        plugin_event_accumulator)
+
+    accumulator = plugin_event_accumulator.EventAccumulator(
+        os.path.join(log_dir, "train"), size_guidance={"tensors": 0})
+    accumulator.Reload()
+    return [(e.step, float(tf.make_ndarray(e.tensor_proto)))
+            for e in accumulator.Tensors(tag)]
+
+
+@pytest.mark.parametrize("where", ["local", "url"])
+def test_a_resume_before_the_last_record_supersedes_what_follows_it(
+        tmp_path, where):
+    log_dir = (f"ram://keras_mgpu_test/{tmp_path.name}/redo"
+               if where == "url" else str(tmp_path / "redo"))
+    # Killed after recording step 10; its last backup was at step 6.
+    attempt(log_dir, 2, 10, loss=1.0, begin_at=0)
+    before = read_back(log_dir)
+    attempt(log_dir, 8, 12, loss=2.0, begin_at=6)
+
+    lines = read_back(log_dir)
+    records = [json.loads(line) for line in lines]
+    assert [(r["kind"], r["step"], r["superseded"]) for r in records] == [
+        ("window", 2, False), ("window", 4, False), ("window", 6, False),
+        ("window", 8, True), ("epoch", 8, True), ("window", 10, True),
+        ("window", 8, False), ("epoch", 8, False), ("window", 10, False),
+        ("window", 12, False)]
+    # Set in place: every line keeps its length, the live ones their bytes.
+    assert [len(line) for line in lines[:6]] == [len(b) for b in before]
+    assert lines[:3] == before[:3]
+    live = [r for r in records if not r["superseded"]]
+    assert [(r["kind"], r["step"], r["metrics"]["loss"]) for r in live] == [
+        ("window", 2, 1.0), ("window", 4, 1.0), ("window", 6, 1.0),
+        ("window", 8, 2.0), ("epoch", 8, 2.0), ("window", 10, 2.0),
+        ("window", 12, 2.0)]
+
+    # Another resume marks only what is not marked yet.
+    attempt(log_dir, 6, 6, loss=3.0, begin_at=4)
+    again = [json.loads(line) for line in read_back(log_dir)]
+    assert [r["step"] for r in again if not r["superseded"]] == [2, 4, 6]
+    assert again[-1]["metrics"]["loss"] == 3.0
+
+    if where == "local":
+        # TensorBoard: one value per step, the newest attempt's.
+        assert restarted_tensors(log_dir, "batch_loss") == [
+            (2, 1.0), (4, 1.0), (6, 3.0)]
+        # The older values are still in the files: the markers drop them.
+        steps = [step for step, _ in event_tensors(log_dir)["batch_loss"]]
+        assert sorted(steps) == [2, 4, 6, 6, 8, 8, 10, 10, 12]
+
+
+def test_a_torn_line_and_older_records_are_left_as_they_are(tmp_path):
+    log_dir = torn_log_dir(tmp_path, "local")
+    with open(os.path.join(log_dir, "metrics.jsonl"), "r+") as f:
+        # A record of a keras-mgpu without the flag, before the torn line.
+        f.write('{"kind": "window", "step": 9}\n' + TORN.split("\n")[1])
+    attempt(log_dir, 2, 2, loss=1.0, begin_at=0)
+    lines = read_back(log_dir)
+    assert lines[:2] == ['{"kind": "window", "step": 9}',
+                         TORN.split("\n")[1]]
+    assert json.loads(lines[2])["superseded"] is False

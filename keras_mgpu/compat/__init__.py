@@ -17,7 +17,8 @@ module per upstream concern:
 - `callbacks`: the initial epoch of the backup;
 - `fit_context`: the running `fit`'s callbacks and epoch iterator;
 - `interrupts`: Ctrl-C during `fit`, taken at the next batch;
-- `telemetry`: the sample count and `tf.summary`'s state;
+- `telemetry`: the sample count, `tf.summary`'s state and TensorBoard's
+  restart marker;
 - `train_loop`: the timed train function and the running `fit`'s epoch
   iterator;
 - `tf_cluster`: TensorFlow's multi-worker start-up;
@@ -119,6 +120,7 @@ from keras_mgpu.compat.telemetry import examples_count  # noqa: F401
 from keras_mgpu.compat.telemetry import examples_seen  # noqa: F401
 from keras_mgpu.compat.telemetry import loss_tracker  # noqa: F401
 from keras_mgpu.compat.telemetry import summary_scope  # noqa: F401
+from keras_mgpu.compat.telemetry import write_restart_marker  # noqa: F401
 from keras_mgpu.compat.telemetry import train_on_batch_resets_metrics  # noqa: F401
 from keras_mgpu.compat.tf_cluster import set_cluster_startup_timeout  # noqa: F401
 from keras_mgpu.compat.train_loop import add_epoch_iterator_count  # noqa: F401

@@ -238,6 +238,19 @@ _SUMMARIES = _workaround(
     applied="by `DistributedLogger` around each train step",
     remove_when="TensorFlow sets a default writer without a flush (no "
     "upstream issue yet)")
+_RESTART_MARKER = _workaround(
+    "DistributedLogger's TensorBoard restart marker",
+    upstream="https://github.com/tensorflow/tensorflow/blob/v2.21.0/"
+    "tensorflow/python/ops/summary_ops_v2.py",
+    works_around="`tf.summary` writes only `Summary` protos: no public call "
+    "writes the `SessionLog` START event after which TensorBoard's Python "
+    "loaders drop the values a failed attempt wrote past the step a resume "
+    "continues from (its data server drops them as the steps are written "
+    "again)",
+    applied="by `DistributedLogger` as a process's training begins, in "
+    "each of the run's TensorBoard runs",
+    remove_when="`tf.summary` writes an `Event` that is not a `Summary` (no "
+    "upstream issue yet)")
 _STARTUP_DEADLINE = _workaround(
     "auto_strategy(startup_timeout=...)",
     upstream="https://github.com/tensorflow/tensorflow/blob/v2.21.0/"

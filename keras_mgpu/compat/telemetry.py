@@ -1,7 +1,8 @@
 """What the runtime and the logger read of Keras and TensorFlow: the loss
 tracker's sample count (keras/src/backend/tensorflow/trainer.py), whether
-`train_on_batch` resets it, and `tf.summary`'s default-writer state
-(tensorflow/python/ops/summary_ops_v2.py).
+`train_on_batch` resets it, `tf.summary`'s default-writer state
+(tensorflow/python/ops/summary_ops_v2.py), and the summary writer's
+resource, through which TensorBoard's restart marker is written.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import numpy as np
 from keras_mgpu.compat._core import _internals_error, _require, _require_module
 from keras_mgpu.compat.keras_trainer import active_trainer_module
 from keras_mgpu.compat.keras_trainer import trainer_class
-from keras_mgpu.compat.registry import _SUMMARIES, _TELEMETRY
+from keras_mgpu.compat.registry import _RESTART_MARKER, _SUMMARIES, _TELEMETRY
 
 
 # --- Telemetry (keras_mgpu.runtime, read by the callbacks) -------------------
@@ -64,6 +65,27 @@ def check_summary_support():
     for name in ("writer", "step", "is_recording"):
         _require(state, name, _SUMMARIES)
     return state
+
+
+def write_restart_marker(writer, step: int) -> None:
+    """Writes TensorBoard's restart marker (an event with a `SessionLog`
+    START) at `step` into `writer`'s file (a `tf.summary` file writer):
+    TensorBoard's Python loaders drop the values of steps >= `step` that
+    came before it, as its data server drops a value when its step is
+    written again. `tf.summary` writes only `Summary` protos; the raw
+    `ImportEvent` op takes the writer's resource."""
+    import time
+
+    import tensorflow as tf
+    from tensorboard.compat.proto import event_pb2
+
+    resource = _require(writer, "_resource", _RESTART_MARKER)
+    event = event_pb2.Event(
+        wall_time=time.time(), step=step,
+        session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START))
+    with tf.init_scope():
+        tf.raw_ops.ImportEvent(writer=resource,
+                               event=event.SerializeToString())
 
 
 def loss_tracker(model, used_for: str = _TELEMETRY):

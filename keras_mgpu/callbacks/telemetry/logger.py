@@ -133,7 +133,10 @@ class DistributedLogger(RuntimeCallback):
     multiples of `update_freq` batches within the epoch; batches a resume
     skips are not logged, and a window with nothing trained is not written.
     Each resume writes a `"resume"` record ("resumed from generation N at
-    step S") and the same text to TensorBoard's `resume` tag.
+    step S") and the same text to TensorBoard's `resume` tag. What a failed
+    attempt recorded past S (after its last backup) is superseded: its
+    JSONL records get `"superseded": true`, and TensorBoard shows the
+    values trained again (docs/telemetry.md).
 
     Examples are counted from Keras's loss tracker, which `fit` feeds with
     each batch's real size (the last short batch included). Where nothing
@@ -361,6 +364,7 @@ class DistributedLogger(RuntimeCallback):
         super().on_train_batch_begin(batch, logs)
         if not runtime.batch_trains:
             return  # replayed by a resume: nothing trained, nothing logged
+        self._begin_attempt()
         if len(progress.logged_resumes) < len(runtime.resumed_here):
             # The first batch after a resume mid-epoch: the skipping that
             # could refuse it is done.
@@ -492,6 +496,7 @@ class DistributedLogger(RuntimeCallback):
         not recorded."""
         logged = self._progress.logged_resumes
         assert self._fit is not None  # set by on_train_begin
+        self._begin_attempt()
         for event in self._fit.runtime.resumed_here:
             if event in logged:
                 continue
@@ -507,6 +512,15 @@ class DistributedLogger(RuntimeCallback):
                         "verbose") in (1, "auto")
                     print_msg(("\n" if bar else "")
                               + f"DistributedLogger: {text}.")
+
+    def _begin_attempt(self):
+        """On the chief, before this process's first record (the step a
+        resume continues from is known by then): what an earlier attempt
+        recorded past it is superseded."""
+        sinks = self._sinks
+        if sinks is not None and not sinks.begun:
+            assert self._fit is not None  # set by on_train_begin
+            sinks.begin_at(self._fit.runtime.completed_steps)
 
     def _finish_epoch(self):
         if self._progress.epoch_span.steps == 0:

@@ -46,6 +46,10 @@ JSONL_KEYS = (
     "metrics",  # loss and compiled metrics, global values (val_* at epochs)
     "resume",  # resume records: {"generation", "step", "saved_replicas",
     #            "replicas", "text"}; else null
+    "superseded",  # true once a resume redid the record's steps (a window
+    #                or epoch record of an attempt that failed after its
+    #                last backup): readers skip it; else false. Last, so
+    #                that it is set in place.
 )
 """The keys of every `DistributedLogger` JSONL record, in order (a value
 the run cannot measure is `null`); docs/telemetry.md describes each."""
@@ -131,7 +135,7 @@ def _measure(span: _Span, state: dict, end: float, *,
 def _record(kind, epoch, step, measured, common, metrics, resume=None) -> dict:
     values = {**measured, **common, "kind": kind, "epoch": epoch,
               "step": step, "time": time.time(), "metrics": metrics,
-              "resume": resume}
+              "resume": resume, "superseded": False}
     return {key: values.get(key) for key in JSONL_KEYS}
 
 

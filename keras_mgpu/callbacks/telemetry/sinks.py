@@ -4,6 +4,7 @@ background thread."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import queue
@@ -15,6 +16,7 @@ from typing import Any, Optional
 import tensorflow as tf
 
 from keras_mgpu import _fs
+from keras_mgpu import compat
 from keras_mgpu.callbacks.telemetry.tensorboard import tensorboard_scalars
 
 # The writer thread flushes every output and exits once nothing has been
@@ -31,6 +33,14 @@ class _Drain:
 
     def __init__(self):
         self.done = threading.Event()
+
+
+@dataclasses.dataclass
+class _Supersede:
+    """Queued by `begin_at` for a URL's JSONL: marks its records past
+    `step`."""
+
+    step: int
 
 
 class Sinks:
@@ -104,6 +114,30 @@ class Sinks:
         self._thread: Optional[threading.Thread] = None  # the latest writer
         # `close_with`'s finalizer
         self._closer: Optional[weakref.finalize] = None
+        self.begun = False  # `begin_at` was called
+
+    def begin_at(self, step: int) -> None:
+        """Training in this process continues from global step `step`: what
+        an earlier attempt recorded past it is superseded. Its window and
+        epoch records are marked in the JSONL (`"superseded": true`, set in
+        place: the file stays the one `claims` locked), and each TensorBoard
+        run gets its restart marker at `step + 1` (TensorBoard then shows
+        this attempt's values of those steps). Called once, before this
+        process records its first step; wandb keeps what it was sent."""
+        self.begun = True
+        with self._submit_lock:
+            self._raise_error()
+            if self._jsonl_local:
+                self._jsonl.flush()
+                _supersede_in_place(_fs.join(self._log_dir, "metrics.jsonl"),
+                                    step)
+            else:
+                # In order with the writer thread's writes of that file.
+                self._queue_or_hold(_Supersede(step))
+        # Now, before the train step's own summaries of `step + 1` on.
+        for run in ("train", "validation"):
+            if _fs.isdir(_fs.join(self._log_dir, run)):
+                compat.write_restart_marker(self.run_writer(run), step + 1)
 
     def submit(self, record: dict) -> None:
         """Writes the record's local JSONL line now; queues the rest."""
@@ -116,10 +150,13 @@ class Sinks:
                 except Exception as error:
                     self._error = error
                     self._raise_error()
-            if self._held is not None:
-                self._held.append(record)
-            else:
-                self._put(record)
+            self._queue_or_hold(record)
+
+    def _queue_or_hold(self, item) -> None:
+        if self._held is not None:
+            self._held.append(item)
+        else:
+            self._put(item)
 
     def hold(self) -> None:
         """Keeps the background writes of the next records (not their local
@@ -255,6 +292,19 @@ class Sinks:
             if self._error is None:
                 self._error = error
 
+    def _supersede_url(self, step: int) -> None:
+        """`begin_at`'s marking of a URL's JSONL: the file rewritten (an
+        object store cannot write in place), then open to append again."""
+        path = _fs.join(self._log_dir, "metrics.jsonl")
+        self._jsonl.flush()
+        content = bytearray(_fs.read_bytes(path))
+        offsets = _superseded_flags(bytes(content), step)
+        if offsets:
+            for offset in offsets:
+                content[offset:offset + len(_SUPERSEDED)] = _SUPERSEDED
+            self._jsonl.close()
+            self._jsonl = _fs.replace_to_append(path, bytes(content))
+
     def run_writer(self, run: str):
         """The summary writer of a TensorBoard run (`train`, `validation`),
         created on first use, as Keras's `TensorBoard` does: a run without
@@ -280,9 +330,18 @@ class Sinks:
         with self._writers_lock:
             return [writer for writer, _ in self._writers.values()]
 
-    def _write(self, records: list) -> None:
+    def _write(self, items: list) -> None:
+        records = [r for r in items if not isinstance(r, _Supersede)]
         if not self._jsonl_local:
-            self._jsonl.write("".join(json.dumps(r) + "\n" for r in records))
+            lines: list[str] = []
+            for item in items:
+                if isinstance(item, _Supersede):
+                    self._jsonl.write("".join(lines))
+                    lines = []
+                    self._supersede_url(item.step)
+                else:
+                    lines.append(json.dumps(item) + "\n")
+            self._jsonl.write("".join(lines))
         series = [tensorboard_scalars(r) for r in records]
         by_run: dict[str, tuple[list, list]] = {}
         for entries in series:
@@ -313,6 +372,47 @@ class Sinks:
                      for tag, v in values.items() if v is not None},
                     step=record["step"],
                 )
+
+
+# A JSONL record ends with its `superseded` flag (`records.JSONL_KEYS`);
+# `true ` takes the place of `false`, so the line keeps its length.
+_LIVE_END = b'"superseded": false}'
+_SUPERSEDED = b"true "
+
+
+def _supersede_in_place(path: str, step: int) -> None:
+    """Marks a local JSONL file's records past `step`, each flag written
+    where it is: a crash leaves every line whole."""
+    with open(path, "rb") as f:
+        offsets = _superseded_flags(f.read(), step)
+    if offsets:
+        with open(path, "r+b") as f:
+            for offset in offsets:
+                f.seek(offset)
+                f.write(_SUPERSEDED)
+
+
+def _superseded_flags(content: bytes, step: int) -> list:
+    """The offsets in a JSONL file's `content` of the `false` flags of the
+    window and epoch records past `step` not marked yet."""
+    offsets: list[int] = []
+    start = 0
+    while True:
+        end = content.find(b"\n", start)
+        if end < 0:
+            return offsets  # a torn last line is no record
+        line = content[start:end]
+        if line.endswith(_LIVE_END):
+            try:
+                record = json.loads(line)
+            except ValueError:
+                record = None
+            if (isinstance(record, dict)
+                    and record.get("kind") in ("window", "epoch")
+                    and isinstance(record.get("step"), int)
+                    and record["step"] > step):
+                offsets.append(end - len(b"false}"))
+        start = end + 1
 
 
 def _close_when_collected(sinks: Sinks) -> None:
