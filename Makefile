@@ -32,16 +32,16 @@ demo: $(VENV)/.installed-demo-$(ID)
 # that run on either backend (tests/backends/, the models matrix's
 # tests/models/) and JAX's own (tests/jax/) on the JAX backend, over 2
 # forced host devices. Both run the matrix's CI models; `make models` runs
-# them all. The suite leaves the CPUs idle for a sixth of its time (its
-# tests wait on child processes and signals): the JAX run, on one pytest
-# worker, fills it; its output follows the suite's.
+# them all. The suite's tests wait on child processes and signals, which
+# leaves CPU idle: it runs on 3 pytest workers, and the JAX run, on one,
+# beside it; the JAX output follows the suite's.
 JAX_ENV := KERAS_BACKEND=jax XLA_FLAGS=--xla_force_host_platform_device_count=2
 JAX_TESTS := tests/backends tests/models tests/jax
 define SUITE_AND_JAX_BESIDE
 	@jax_log=$$(mktemp); \
 	$(JAX_ENV) $(PY) -m pytest -n 1 $(1) $(JAX_TESTS) >"$$jax_log" 2>&1 & \
 	jax=$$!; \
-	$(PY) -m pytest -n 2 --dist loadfile $(1) $(PYTEST_ARGS); suite=$$?; \
+	$(PY) -m pytest -n 3 --dist loadfile $(1) $(PYTEST_ARGS); suite=$$?; \
 	wait $$jax; jax_status=$$?; \
 	cat "$$jax_log"; rm -f "$$jax_log"; \
 	[ $$suite -eq 0 ] && [ $$jax_status -eq 0 ]
