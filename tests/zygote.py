@@ -86,10 +86,17 @@ def serve():
             request = json.loads(line)
             sys.stdout.flush()
             sys.stderr.flush()
+            set_up, done = os.pipe()
             pid = os.fork()
             if pid == 0:
-                _become(request, zygote)
+                os.close(set_up)
+                _become(request, zygote, done)
                 return request["code"], request["argv"]
+            os.close(done)
+            # As `Popen` returns: once the worker's session (the group the
+            # launcher signals) exists, or the worker is gone.
+            os.read(set_up, 1)
+            os.close(set_up)
             children.add(pid)
             print(f"START {request['id']} {pid}", flush=True)
 
@@ -113,9 +120,9 @@ def _kill_group(pid):
         pass
 
 
-def _become(request, zygote):
+def _become(request, zygote, done):
     """Makes this fork of `zygote` (a pid) the worker the launcher would
-    have started."""
+    have started; then closes `done`, the zygote's sign to report it."""
     import ctypes
 
     os.setsid()
@@ -133,6 +140,7 @@ def _become(request, zygote):
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    os.close(done)
 
 
 # --- the pytest process's side -----------------------------------------------
