@@ -25,6 +25,20 @@ def read_scalars(log_dir, run="train"):
     return scalars
 
 
+def read_as_tensorboard_shows(log_dir, tag, run="train"):
+    """[(step, value)] of `tag` in one run as TensorBoard loads it with
+    `--load_fast=false` (its plugin loader, which honours restart markers;
+    its data server keeps the newest value of a step)."""
+    from tensorboard.backend.event_processing import (
+        plugin_event_accumulator)
+
+    accumulator = plugin_event_accumulator.EventAccumulator(
+        os.path.join(log_dir, run), size_guidance={"tensors": 0})
+    accumulator.Reload()
+    return [(e.step, float(tf.make_ndarray(e.tensor_proto)))
+            for e in accumulator.Tensors(tag)]
+
+
 def check_tensorboard_layout(log_dir, history, windows, epochs):
     """Keras TensorBoard's layout: train and validation runs, one tag each
     for a metric (loss and mae) so that the two curves overlay, the

@@ -24,6 +24,7 @@ from keras_mgpu.callbacks import DistributedLogger
 from keras_mgpu.runtime import RunCounters, training_runtime
 from tests import runtime_workers as rw
 from tests import workers
+from tests.logger_checks import read_as_tensorboard_shows
 
 # name: (worker processes, replicas per process)
 STRATEGIES = {"default": (1, 1), "mirrored": (1, 2), "multi_worker": (2, 1)}
@@ -200,14 +201,7 @@ def test_steps_trained_again_after_a_resume_are_recorded_once(
     superseded, = [r for r in records if r["superseded"]]
     again, = [r for r in records if r["step"] == 11 and not r["superseded"]]
     assert superseded["metrics"]["loss"] != again["metrics"]["loss"]
-    from tensorboard.backend.event_processing import (
-        plugin_event_accumulator)
-
-    accumulator = plugin_event_accumulator.EventAccumulator(
-        os.path.join(logs, "train"), size_guidance={"tensors": 0})
-    accumulator.Reload()
-    loss = [(e.step, float(tf.make_ndarray(e.tensor_proto)))
-            for e in accumulator.Tensors("batch_loss")]
+    loss = read_as_tensorboard_shows(logs, "batch_loss")
     expected = {r["step"]: r["metrics"]["loss"] for r in records
                 if r["kind"] == "window" and not r["superseded"]}
     steps = [step for step, _ in loss]

@@ -21,6 +21,7 @@ from keras_mgpu.callbacks.telemetry import records as records_lib
 from keras_mgpu.callbacks.telemetry.records import JSONL_KEYS
 from keras_mgpu.callbacks.telemetry.sinks import Sinks
 from keras_mgpu.callbacks.telemetry.tensorboard import tensorboard_scalars
+from tests.logger_checks import read_as_tensorboard_shows
 
 # A killed earlier run's file: one whole record, then a torn line.
 TORN = '{"kind": "window", "step": 0}\n{"kind": "win'
@@ -405,20 +406,6 @@ def attempt(log_dir, first_step, last_step, loss, begin_at=None):
         sinks.close()
 
 
-def restarted_tensors(log_dir, tag) -> list:
-    """[(step, value)] of `tag` in the train run as TensorBoard loads it
-    with `--load_fast=false` (its plugin loader, which honours restart
-    markers; its data server keeps the newest value of a step)."""
-    from tensorboard.backend.event_processing import (
-        plugin_event_accumulator)
-
-    accumulator = plugin_event_accumulator.EventAccumulator(
-        os.path.join(log_dir, "train"), size_guidance={"tensors": 0})
-    accumulator.Reload()
-    return [(e.step, float(tf.make_ndarray(e.tensor_proto)))
-            for e in accumulator.Tensors(tag)]
-
-
 @pytest.mark.parametrize("where", ["local", "url"])
 def test_a_resume_before_the_last_record_supersedes_what_follows_it(
         tmp_path, where):
@@ -453,7 +440,7 @@ def test_a_resume_before_the_last_record_supersedes_what_follows_it(
 
     if where == "local":
         # TensorBoard: one value per step, the newest attempt's.
-        assert restarted_tensors(log_dir, "batch_loss") == [
+        assert read_as_tensorboard_shows(log_dir, "batch_loss") == [
             (2, 1.0), (4, 1.0), (6, 3.0)]
         # The older values are still in the files: the markers drop them.
         steps = [step for step, _ in event_tensors(log_dir)["batch_loss"]]

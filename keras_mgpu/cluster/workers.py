@@ -204,10 +204,9 @@ def _run_cluster(command: list, num_workers: int, extras: list, *,
 
 def _start_worker(command: list, env: dict, cwd: Optional[str],
                   stdout: TextIO, stderr: TextIO) -> subprocess.Popen:
-    """Starts one worker: its own session (the launcher kills its whole
-    process group), ended with the launcher. The test suite forks its
-    workers from an interpreter that has TensorFlow imported instead
-    (tests/zygote.py), through this one function."""
+    """Starts one worker process in a session of its own (the launcher
+    kills its whole process group), ended with the launcher; the one place
+    a worker is started, so that tests/zygote.py can fork it instead."""
     return subprocess.Popen(tied_to_launcher(command), env=env, cwd=cwd,
                             stdout=stdout, stderr=stderr,
                             start_new_session=True)
