@@ -99,8 +99,14 @@ def train(backup_dir, accum_steps=None, mode="window", kill_at=None,
 
     def on_batch_end(batch, logs):
         if step[0] == kill_at:
-            # The saves before this step are committed when the test kills.
+            # The saves before this step are committed when the test kills:
+            # only the chief writes, and the test kills every process as
+            # soon as any prints the marker, so each waits for the chief.
             finish_backup_writes()
+            if processes > 1:
+                from jax.experimental import multihost_utils
+
+                multihost_utils.sync_global_devices(f"committed {kill_at}")
         marker(f"STEP {step[0]};")
         if step[0] == kill_at and (hold_workers is None
                                    or index in hold_workers):
