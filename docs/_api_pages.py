@@ -40,8 +40,9 @@ API_DIR = "api"
 NAV_TITLE = "API reference"
 
 # The modules users import from, in the reference's order (the prose
-# pages' order: strategy, accumulation, precision, callbacks, data, tuning,
-# the launcher; then the lower layers).
+# pages' order: strategy, accumulation, precision, callbacks and the
+# goodput their logs give, data, tuning, the launcher; then the lower
+# layers).
 PUBLIC_MODULES = (
     "keras_mgpu",
     "keras_mgpu.strategy",
@@ -50,6 +51,7 @@ PUBLIC_MODULES = (
     "keras_mgpu.mixed_precision",
     "keras_mgpu.schedules",
     "keras_mgpu.callbacks",
+    "keras_mgpu.goodput",
     "keras_mgpu.data",
     "keras_mgpu.tuner",
     "keras_mgpu.launcher",

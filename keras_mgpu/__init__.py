@@ -43,8 +43,8 @@ _NAMES = {
 _LIGHT_NAMES = {"quiet_tensorflow": "quiet"}
 # Submodules imported on first attribute access (PEP 562).
 _SUBMODULES = _with_keras.CORE + (
-    "backend", "cli", "cluster", "launcher", "quiet", "runtime", "slurm",
-    "tuner")
+    "backend", "cli", "cluster", "goodput", "launcher", "quiet", "runtime",
+    "slurm", "tuner")
 __all__ = sorted(_NAMES) + sorted(_LIGHT_NAMES) + ["__version__"]
 
 

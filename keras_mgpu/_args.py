@@ -144,7 +144,7 @@ def _positive_int(what: str, high: int, low: int = 1
     return parse_arg
 
 
-def check_output_path(path: str, what: str) -> None:
+def check_output_path(path: str, what: str, stem: str = "bench") -> None:
     """Refuses an output file that could not be written, before any work.
 
     The file's directory must exist and the file must be creatable or
@@ -153,6 +153,8 @@ def check_output_path(path: str, what: str) -> None:
     Args:
         path: The file to write.
         what: The option's name for error messages, e.g. `"--json"`.
+        stem: Defaults to `"bench"`. The command's name, for the file name
+            suggested in a directory `path`.
 
     Raises:
         ValueError: naming the path, the reason and what to do.
@@ -166,8 +168,8 @@ def check_output_path(path: str, what: str) -> None:
 directory '/nonexistent/dir' does not exist. Create it, or choose another path.
     """
     if os.path.isdir(path):
-        example = os.path.join(path, "bench.png" if what == "--plot"
-                               else "bench.json")
+        example = os.path.join(path, stem + (".png" if what == "--plot"
+                                             else ".json"))
         raise ValueError(
             f"{what}: {path!r} is a directory; give a file path in it, e.g. "
             f"{example!r}.")
@@ -221,8 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     Returns:
         An `argparse.ArgumentParser`; its namespaces have `command`
-        (`"doctor"` or `"bench"`) and, for `bench`, `subparser` (the bench
-        parser, for errors found once TensorFlow is imported).
+        (`"doctor"`, `"bench"`, `"launch"` or `"goodput"`) and, for all but
+        `doctor`, `subparser` (the subcommand's parser, for errors found
+        later, once TensorFlow is imported).
 
     Example:
 
@@ -233,11 +236,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="keras-mgpu",
         description="Check a machine for multi-GPU Keras training (doctor), "
-                    "measure data-parallel scaling (bench) and run a "
+                    "measure data-parallel scaling (bench), run a "
                     "training command as a supervised local cluster "
-                    "(launch).")
+                    "(launch) and show where a training job's time went "
+                    "over its restarts (goodput).")
     sub = parser.add_subparsers(dest="command",
-                                metavar="{doctor,bench,launch}")
+                                metavar="{doctor,bench,launch,goodput}")
     sub.required = True
 
     doctor = sub.add_parser(
@@ -363,11 +367,34 @@ def build_parser() -> argparse.ArgumentParser:
                         metavar="-- COMMAND [ARGS ...]",
                         help="the program each worker runs")
     launch.set_defaults(subparser=launch)
+
+    goodput = sub.add_parser(
+        "goodput", help="a training job's wall time by category, over its "
+                        "restarts",
+        description="Read LOG_DIR/metrics.jsonl, written by "
+                    "DistributedLogger, and show how the job's wall time, "
+                    "over all its attempts (restarts), splits into "
+                    "productive training, input wait, compile, startup, "
+                    "restore, checkpoint, evaluation, training redone "
+                    "after a restart, time between attempts and other; "
+                    "goodput is the productive share. Exits 2 when "
+                    "LOG_DIR has no such records.")
+    goodput.add_argument("log_dir", metavar="LOG_DIR",
+                         help="the DistributedLogger's log_dir (a folder, "
+                              "or a gs:// URL)")
+    goodput.add_argument("--json", metavar="PATH",
+                         help="write the report as JSON here ('-': "
+                              "stdout, instead of the table)")
+    goodput.add_argument("--plot", metavar="PNG",
+                         help="write a chart of each attempt's time (the "
+                              "extension names the format)")
+    goodput.set_defaults(subparser=goodput)
     return parser
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    """Parses `keras-mgpu`'s arguments and checks what bench will write.
+    """Parses `keras-mgpu`'s arguments and checks what bench or goodput
+    will write.
 
     Everything is checked before any work starts: a bad value, or a
     `--json`/`--plot` file that could not be written, exits with code 2
@@ -389,14 +416,15 @@ in it, e.g. '/bench.json'.
     args = build_parser().parse_args(argv)
     if args.command == "launch":
         _check_launch(args)
-    if args.command == "bench" and not args._child:
+    if (args.command == "bench" and not args._child
+            or args.command == "goodput"):
         outputs = [(what, path) for what, path in (("--json", args.json),
                                                    ("--plot", args.plot))
                    if path is not None and not (what == "--json"
                                                 and path == "-")]
         try:
             for what, path in outputs:
-                check_output_path(path, what)
+                check_output_path(path, what, args.command)
         except ValueError as e:
             args.subparser.error(str(e))
         if (len(outputs) == 2 and os.path.realpath(args.json)

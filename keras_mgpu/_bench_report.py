@@ -7,8 +7,10 @@ extra), imported only when a chart is drawn.
 
 from __future__ import annotations
 
-import os
 from typing import Any, Mapping, Optional
+
+from keras_mgpu._plotting import check_plot_format  # noqa: F401
+from keras_mgpu._plotting import matplotlib_for
 
 
 def _fmt(value: Optional[float], spec: str, missing: str = "n/a") -> str:
@@ -58,50 +60,6 @@ def format_table(payload: Mapping[str, Any]) -> str:
     return "\n".join(out)
 
 
-def _matplotlib():
-    try:
-        import matplotlib
-    except ImportError:
-        raise ImportError(
-            "keras-mgpu bench --plot needs matplotlib: "
-            'pip install "keras-mgpu[plot]"'
-        ) from None
-    return matplotlib
-
-
-def check_plot_format(path: str) -> None:
-    """Refuses a `--plot` path whose chart could not be drawn, before any
-    benchmark runs: matplotlib missing, or an extension that names no
-    format it writes.
-
-    Args:
-        path: The `--plot` path.
-
-    Raises:
-        ImportError: matplotlib is not installed (naming the extra).
-        ValueError: naming the path and the formats there are.
-
-    Example:
-
-    >>> check_plot_format("scaling.png")
-    >>> check_plot_format("scaling.json")
-    Traceback (most recent call last):
-    ...
-    ValueError: --plot: 'scaling.json' does not end in an image format \
-matplotlib writes; use e.g. 'scaling.png' (formats: avif, eps, ...).
-    """
-    _matplotlib()
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-    formats = sorted(FigureCanvasAgg.get_supported_filetypes())
-    stem, extension = os.path.splitext(path)
-    if extension[1:].lower() not in formats:
-        raise ValueError(
-            f"--plot: {path!r} does not end in an image format matplotlib "
-            f"writes; use e.g. {stem + '.png'!r} (formats: "
-            f"{', '.join(formats)}).")
-
-
 def plot(payload: Mapping[str, Any], path: str) -> None:
     """Writes a PNG: throughput and efficiency against replicas, with the ideal.
 
@@ -141,7 +99,7 @@ def figure(payload: Mapping[str, Any]):
     >>> fig.axes[1].get_ylabel()  # doctest: +SKIP
     'scaling efficiency (%)'
     """
-    matplotlib = _matplotlib()
+    matplotlib = matplotlib_for("bench")
     # No display needed: the chart goes to a file.
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

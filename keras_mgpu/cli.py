@@ -1,5 +1,6 @@
 """The `keras-mgpu` command: `doctor` checks a machine, `bench` measures
-scaling, `launch` runs a supervised local cluster.
+scaling, `launch` runs a supervised local cluster, `goodput` shows where a
+job's time went.
 
     keras-mgpu doctor [--json] [--need tuner,profile,wandb]
     keras-mgpu bench [--model resnet|mlp] [--replicas 1,2,4]
@@ -7,14 +8,15 @@ scaling, `launch` runs a supervised local cluster.
                      [--steps 20] [--batch-size 64] [--json PATH]
                      [--plot out.png]
     keras-mgpu launch --workers N [--max-restarts R] -- COMMAND [ARGS ...]
+    keras-mgpu goodput LOG_DIR [--json PATH] [--plot out.png]
 
 The `keras-mgpu` console script is `main` here, also run by `python -m
 keras_mgpu`: it parses the arguments (`keras_mgpu._args`, standard library
 only) and then imports TensorFlow (quietly) for `doctor` and `bench` only:
-`launch` supervises its workers without it, and `--help` or a bad value
-answers at once.
-The JSON formats are documented in `keras_mgpu._doctor` and
-`keras_mgpu._bench`.
+`launch` supervises its workers without it, `goodput` reads a local log
+without it, and `--help` or a bad value answers at once.
+The JSON formats are documented in `keras_mgpu._doctor`,
+`keras_mgpu._bench` and `keras_mgpu.goodput.report`.
 """
 
 from __future__ import annotations
@@ -181,6 +183,48 @@ def run_launch(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def run_goodput(args: argparse.Namespace) -> int:
+    """`keras-mgpu goodput`: the table (or JSON) on stdout; the exit code."""
+    from keras_mgpu.goodput import plot as goodput_plot
+    from keras_mgpu.goodput import report
+
+    if args.plot:
+        try:
+            goodput_plot.check_plot_format(args.plot)
+        except (ValueError, ImportError) as e:
+            args.subparser.error(str(e))
+    if "://" in args.log_dir:
+        # Read through TensorFlow's file systems: its start-up lines hidden.
+        quiet_tensorflow()
+    try:
+        job = report.read_job(args.log_dir)
+    except (OSError, ValueError) as e:
+        print(f"keras-mgpu goodput: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    to_stdout = args.json == "-"
+    log = (lambda *a, **k: print(*a, file=sys.stderr, **k)) if to_stdout \
+        else print
+    print(job.to_json() if to_stdout else job.table())
+    if args.json and not to_stdout:
+        try:
+            with open(args.json, "w") as f:
+                f.write(job.to_json() + "\n")
+        except OSError as e:
+            print(f"keras-mgpu goodput: error: could not write --json "
+                  f"{args.json!r} ({e}).", file=sys.stderr)
+            return EXIT_FINDING_ERROR
+        log(f"Wrote {args.json}")
+    if args.plot:
+        try:
+            goodput_plot.plot(job, args.plot)
+        except OSError as e:
+            print(f"keras-mgpu goodput: error: could not write --plot "
+                  f"{args.plot!r} ({e}).", file=sys.stderr)
+            return EXIT_FINDING_ERROR
+        log(f"Wrote {args.plot}")
+    return EXIT_OK
+
+
 def run(args: argparse.Namespace) -> int:
     """Runs the command `args` names (parsed by `build_parser()`); the exit code.
 
@@ -188,8 +232,9 @@ def run(args: argparse.Namespace) -> int:
         args: The namespace `build_parser().parse_args(...)` returned.
 
     Returns:
-        0 on success, 1 when `doctor` found an error or `bench` failed;
-        for `launch`, the status of the failure it gave up on.
+        0 on success, 1 when `doctor` found an error, `bench` failed or
+        `goodput` could not write a file; 2 when `goodput` found no log to
+        read; for `launch`, the status of the failure it gave up on.
 
     Example:
 
@@ -198,6 +243,8 @@ def run(args: argparse.Namespace) -> int:
     """
     if args.command == "launch":
         return run_launch(args)
+    if args.command == "goodput":
+        return run_goodput(args)
     quiet_tensorflow()
     if args.command == "doctor":
         return run_doctor(args)
@@ -209,15 +256,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     The arguments are checked before TensorFlow is imported, so `--help` and
     a bad value answer at once; `doctor` and `bench` then import TensorFlow
-    with `quiet_tensorflow()`, `launch` never does.
+    with `quiet_tensorflow()`, `launch` never does, `goodput` only for a
+    log dir at a URL (`gs://...`).
 
     Args:
         argv: Defaults to `None`, the command line (`sys.argv[1:]`).
 
     Returns:
         0 when the command succeeded, 1 when `doctor` found an error or
-        `bench` failed. Argument errors exit with 2 (`SystemExit`), as
-        argparse does.
+        `bench` failed, 2 when `goodput` found no log to read. Argument
+        errors exit with 2 (`SystemExit`), as argparse does.
 
     Example:
 

@@ -29,7 +29,8 @@ def marker(text: str) -> None:
 def train(backup_dir, preset="preemptible", save_freq=4, accum_steps=None,
           epochs=3, steps=8, hold_write_of=None, report_held_at=None,
           pause_at=None, virtual_cpus=None, mode="window", die_at=None,
-          **overrides):
+          log_dir=None, **overrides):
+    """`log_dir`: also a `DistributedLogger` there (a record per step)."""
     import keras_mgpu
 
     strategy = keras_mgpu.auto_strategy(virtual_cpus=virtual_cpus)
@@ -105,9 +106,12 @@ def train(backup_dir, preset="preemptible", save_freq=4, accum_steps=None,
 
     backup = BackupAndRestore.from_preset(preset, backup_dir,
                                           save_freq=save_freq, **overrides)
+    logger = [] if log_dir is None else [keras_mgpu.DistributedLogger(
+        log_dir, update_freq=1, console=False)]
     model.fit(dataset, epochs=epochs, verbose=0, shuffle=False, callbacks=[
         keras.callbacks.LambdaCallback(on_epoch_begin=on_epoch_begin),
         backup,
+        *logger,
         keras.callbacks.LambdaCallback(on_batch_end=on_batch_end),
     ])
     return {

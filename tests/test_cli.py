@@ -536,7 +536,7 @@ def imported_modules(stderr: str) -> set:
 
 
 @pytest.mark.parametrize("argv, code, named", [
-    (["--help"], 0, "{doctor,bench,launch}"),
+    (["--help"], 0, "{doctor,bench,launch,goodput}"),
     (["launch", "--help"], 0, "--max-restarts"),
     (["launch", "--workers", "2"], 2, "no command to run: put it after '--'"),
     (["launch", "--workers", "0", "--", "true"], 2,
@@ -564,7 +564,7 @@ def imported_modules(stderr: str) -> set:
      "the directory '/nonexistent/dir' does not exist"),
     (["bench", "--accum", "99999999999999999999"], 2,
      "--accum: 99999999999999999999 is out of range"),
-    ([], 2, "required: {doctor,bench,launch}"),
+    ([], 2, "required: {doctor,bench,launch,goodput}"),
 ])
 def test_console_script_answers_without_tensorflow(argv, code, named):
     env = dict(os.environ, PYTHONPROFILEIMPORTTIME="1")

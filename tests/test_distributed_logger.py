@@ -20,7 +20,7 @@ from keras_mgpu.callbacks.distributed_logger import DistributedLogger
 from keras_mgpu.mixed_precision import LossScaleMonitor
 from keras_mgpu.runtime import training_runtime
 from tests import logger_workers, workers
-from tests.logger_checks import (check_reference_records,
+from tests.logger_checks import (check_reference_records, metrics_only,
                                  check_tensorboard_layout, read_scalars)
 from tests.conftest import mirrored
 from tests.test_sinks import TORN, open_handles, torn_log_dir, writer_threads
@@ -34,7 +34,7 @@ def read_lines(log_dir):
 
 
 def read_jsonl(log_dir):
-    return [json.loads(line) for line in read_lines(log_dir)]
+    return metrics_only(json.loads(line) for line in read_lines(log_dir))
 
 
 class BatchLogs(keras.callbacks.Callback):
@@ -165,7 +165,7 @@ def test_loss_scale_skipped_steps_and_schedule(tmp_path, accumulate):
     assert scalars["mixed_precision/batch_skipped_steps"] == [
         (r["step"], r["skipped_steps"]) for r in windows]
     assert {tag.split("/")[0] for tag in scalars if "/" in tag} == (
-        {"throughput", "input", "mixed_precision"}
+        {"throughput", "input", "mixed_precision", "goodput"}
         | ({"accumulation"} if accumulate else set()))
     if accumulate:
         assert scalars["accumulation/epoch_grad_norm"] == [
@@ -515,9 +515,10 @@ def test_local_or_url_log_dir_appends_after_a_torn_line(tmp_path, monkeypatch,
     # The torn line is closed off: only it is unreadable.
     assert lines[:2] == TORN.splitlines()
     records = [json.loads(line) for line in lines[2:]]
-    # 7 batches: windows of 4 and 3, then the epoch record.
+    # The time ledger as training begins; 7 batches: windows of 4 and 3,
+    # then the epoch record.
     assert [(r["kind"], r["step"]) for r in records] == [
-        ("window", 4), ("window", 7), ("epoch", 7)]
+        ("goodput", 0), ("window", 4), ("window", 7), ("epoch", 7)]
     scalars = read_scalars(log_dir)
     assert scalars["batch_loss"] == [
         (s, pytest.approx(batch_logs[s - 1]["loss"], rel=1e-6))
@@ -614,10 +615,12 @@ def test_a_sigkilled_run_loses_at_most_the_record_in_flight(run_workers,
             # Only the record being written when the kill came.
             assert i == len(lines) - 1, (i, len(lines), line)
     written = [(r["kind"], r["step"]) for r in records]
-    # 8 batches per epoch, a window per batch, then the epoch record.
-    expected = [(kind, 8 * epoch + step) for epoch in range(100)
-                for kind, step in [("window", s) for s in range(1, 9)]
-                + [("epoch", 8)]]
+    # The time ledger as training begins, then 8 batches per epoch, a
+    # window per batch, then the epoch record.
+    expected = [("goodput", 0)] + [
+        (kind, 8 * epoch + step) for epoch in range(100)
+        for kind, step in [("window", s) for s in range(1, 9)]
+        + [("epoch", 8)]]
     assert written == expected[:len(written)]
     assert written[:len(announced)] == announced
 
@@ -642,8 +645,10 @@ def test_a_raising_wandb_log_stops_training_naming_it(tmp_path, monkeypatch):
                   wandb={"project": "keras-mgpu-test"})
     # The logger finished the run on the way out, not left it open.
     assert wandb.run is None
-    # JSONL and TensorBoard come before wandb: the first record is there.
-    assert read_jsonl(log_dir)[0]["step"] == 1
+    # JSONL and TensorBoard come before wandb: the first record (the time
+    # ledger's, as training begins) is there.
+    first = json.loads(read_lines(log_dir)[0])
+    assert (first["kind"], first["step"]) == ("goodput", 0)
     # wandb writes locally: for a URL log_dir, in the working directory
     # (not wandb's, fixed at the process's first run); nothing else is
     # local (no `ram:` folder).

@@ -312,7 +312,7 @@ def test_logger_records_gpu_memory_where_a_gpu_exists(tmp_path):
     assert "GPU" in model.trainable_variables[0].value.device.upper()
     with open(os.path.join(log_dir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
-    assert {r["kind"] for r in records} == {"window", "epoch"}
+    assert {r["kind"] for r in records} == {"goodput", "window", "epoch"}
     for record in records:
         memory = record["memory"]["GPU0"]
         # The weights and optimizer state stay on the GPU between steps.

@@ -15,6 +15,7 @@ import textwrap
 import pytest
 
 from keras_mgpu import launcher, slurm
+from keras_mgpu.goodput import read_job
 from tests import backup_workers
 from tests.workers import max_diff
 
@@ -61,7 +62,9 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_as_uninterrupted(
     # launcher stops worker 0, starts both again, and the backup resumes.
     out = tmp_path / "out"
     out.mkdir()
-    kwargs = {"backup_dir": str(tmp_path / "backup"), "die_at": 13, **TRAIN}
+    logs = str(tmp_path / "logs")
+    kwargs = {"backup_dir": str(tmp_path / "backup"), "die_at": 13,
+              "log_dir": logs, **TRAIN}
     code, stdout, stderr = keras_mgpu_launch(
         "--workers", "2", "--max-restarts", "2", "--backoff", "0", "--",
         sys.executable, "tests/launch_worker.py", json.dumps(kwargs),
@@ -79,6 +82,20 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_as_uninterrupted(
         resumed = json.loads((out / f"worker{index}.json").read_text())
         assert resumed["iterations"] == full["iterations"] == 9
         assert max_diff(resumed["weights"], full["weights"]) <= 1e-6
+    # The job's time as the chief's ledger and the launcher saw it: the
+    # first attempt trained past its backup (step 12) until it ended,
+    # which the second redid; the launcher's restart between them.
+    job = read_job(logs)
+    first, second = job.attempts
+    assert (first.launch_attempt, second.launch_attempt) == (1, 2)
+    assert first.steps >= 12 and second.steps == 24
+    assert first.seconds["redone"] > 0
+    gap, = [g for g in job.gaps if g.after == 1]
+    assert gap.seconds["redone"] > 0  # the first's last record to its end
+    assert gap.seconds["between_attempts"] > 0
+    assert (gap.started, gap.ended) == (first.ended, second.started)
+    assert job.started < first.started < first.ended < second.started
+    assert sum(job.seconds.values()) == pytest.approx(job.wall_seconds)
 
 
 def test_a_sigterm_to_launch_saves_and_the_same_command_resumes_exactly(

@@ -21,10 +21,11 @@ import tensorflow as tf
 
 from keras_mgpu import launcher
 from keras_mgpu.callbacks import DistributedLogger
+from keras_mgpu.goodput import read_job
 from keras_mgpu.runtime import RunCounters, training_runtime
 from tests import runtime_workers as rw
 from tests import workers
-from tests.logger_checks import read_as_tensorboard_shows
+from tests.logger_checks import metrics_only, read_as_tensorboard_shows
 
 # name: (worker processes, replicas per process)
 STRATEGIES = {"default": (1, 1), "mirrored": (1, 2), "multi_worker": (2, 1)}
@@ -44,7 +45,7 @@ def max_diff(a, b):
 
 def read_jsonl(log_dir):
     with open(os.path.join(log_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+        return metrics_only(map(json.loads, f))
 
 
 def read_events(log_dir):
@@ -209,6 +210,22 @@ def test_steps_trained_again_after_a_resume_are_recorded_once(
     assert {11, 14, 16} <= set(steps) <= set(expected)
     assert np.allclose([v for _, v in loss],
                        [expected[step] for step in steps], atol=1e-6)
+    # The job's time: two attempts; the killed one's window at step 11,
+    # trained again by the rerun, is work redone; every second of the job
+    # is in one category.
+    job = read_job(logs)
+    first, second = job.attempts
+    assert (first.steps, second.steps) == (11, full_records[-1]["step"])
+    assert first.seconds["redone"] == pytest.approx(
+        superseded["seconds"], abs=1e-3)
+    assert second.seconds["redone"] == 0
+    assert second.seconds["restore"] > 0
+    assert job.seconds["between_attempts"] == pytest.approx(
+        second.started - first.ended)
+    assert sum(job.seconds.values()) == pytest.approx(job.wall_seconds)
+    assert job.wall_seconds == pytest.approx(second.ended - first.started)
+    assert job.goodput == pytest.approx(
+        job.seconds["productive"] / job.wall_seconds)
 
 
 def test_multi_worker_matches_single_process(uninterrupted):

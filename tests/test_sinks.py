@@ -103,7 +103,7 @@ def test_jsonl_keys_are_the_schema_in_its_order():
         "learning_rate", "loss_scale", "skipped_steps", "grad_norm",
         "accum_step", "memory", "workers", "replicas", "worker_step_time",
         "worker_examples_per_sec", "worker_input_wait", "slowest_worker",
-        "metrics", "resume", "superseded")
+        "metrics", "resume", "goodput", "superseded")
     assert len(set(JSONL_KEYS)) == len(JSONL_KEYS)
     # One tuple, wherever it is imported from.
     assert keras_mgpu.callbacks.JSONL_KEYS is JSONL_KEYS

@@ -36,6 +36,12 @@ from keras_mgpu._args import DEFAULT_GRACE_PERIOD
 ATTEMPT_ENV = "KERAS_MGPU_ATTEMPT"
 """The environment variable holding the attempt number `launch` gives each
 worker: 1, then 2 after a restart, and so on."""
+# Unix times `launch` gives each worker, which the goodput ledger
+# (keras_mgpu/goodput/ledger.py) records: when the launch began, when it
+# started this attempt, and when the previous attempt's last worker ended.
+JOB_STARTED_ENV = "KERAS_MGPU_JOB_STARTED"
+ATTEMPT_STARTED_ENV = "KERAS_MGPU_ATTEMPT_STARTED"
+PREVIOUS_ENDED_ENV = "KERAS_MGPU_PREVIOUS_ENDED"
 
 
 def launch(
@@ -164,10 +170,15 @@ def _supervise(attempts, command, num_workers, extras, labels, stop,
     """`launch`'s attempts, its arguments checked; each one that ended is
     added to `attempts`."""
     deadline = None if timeout is None else time.monotonic() + timeout
+    job_started, previous_ended = repr(time.time()), None
     while True:
         number = len(attempts) + 1
         for extra in extras:
             extra[ATTEMPT_ENV] = str(number)
+            extra[JOB_STARTED_ENV] = job_started
+            extra[ATTEMPT_STARTED_ENV] = repr(time.time())
+            if previous_ended is not None:
+                extra[PREVIOUS_ENDED_ENV] = previous_ended
         watchdog = None if progress_file is None else (
             _attempts.ProgressWatchdog(progress_file, hang_timeout))
         left = None if deadline is None else max(
@@ -176,6 +187,7 @@ def _supervise(attempts, command, num_workers, extras, labels, stop,
             command, num_workers, extras, timeout=left, cwd=cwd, echo=echo,
             labels=labels, watchdog=watchdog, stop=stop,
             grace_period=grace_period, held_as=f"attempt{number}")
+        previous_ended = repr(time.time())
         attempt = _attempts.ending(number, results, first, stopped,
                                    restart_codes, labels)
         attempts.append(attempt)

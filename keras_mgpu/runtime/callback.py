@@ -73,6 +73,9 @@ class RuntimeCallback(keras.callbacks.Callback):
     def on_test_begin(self, logs=None):
         self.runtime.test_begin()
 
+    def on_test_end(self, logs=None):
+        self.runtime.test_end()
+
     def on_test_batch_begin(self, batch, logs=None):
         # A Ctrl-C during validation inside `fit` (deferred there).
         compat.raise_deferred_ctrl_c()

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Callable, ContextManager, Optional
 import keras
 
 from keras_mgpu import backend, compat
+from keras_mgpu.goodput.ledger import ledger
 from keras_mgpu.runtime.counters import _RuntimeCounters
 from keras_mgpu.runtime.skipping import ResumeSkipping
 
@@ -163,6 +164,11 @@ class TrainingRuntime(_TrainFunctionWrapper, ResumeSkipping,
         # timed): (function, twin).
         self._twins = {}
         self._step_scope = None
+        # The train functions called once (traced and compiled by then),
+        # and whether this fit's loop and validation are on the ledger.
+        self._compiled: weakref.WeakSet = weakref.WeakSet()
+        self._loop_on_ledger = False
+        self._in_validation = False
 
     @property
     def model(self):
@@ -222,6 +228,9 @@ class TrainingRuntime(_TrainFunctionWrapper, ResumeSkipping,
             self._batch_begin = batch
         self._epoch_open = True
         self._call_steps = steps
+        if not self._loop_on_ledger:
+            self._loop_on_ledger = True
+            ledger().set_training(True)
         self.epoch_step = batch + steps
         self.batch_trains = steps > skipped
         self.global_step += steps - skipped
@@ -238,6 +247,14 @@ class TrainingRuntime(_TrainFunctionWrapper, ResumeSkipping,
         samples first."""
         self._in_batch = False
         self._count_epoch_samples()
+        if not self._in_validation:
+            self._in_validation = True
+            ledger().enter("evaluation")
+
+    def test_end(self) -> None:
+        if self._in_validation:
+            self._in_validation = False
+            ledger().leave()
 
     def epoch_end(self, epoch: int) -> None:
         self._in_batch = False
@@ -266,6 +283,10 @@ class TrainingRuntime(_TrainFunctionWrapper, ResumeSkipping,
             self._next_stream_base = self._next_keras_base = 0
 
     def train_end(self) -> None:
+        self.test_end()  # a validation that raised never ended
+        if self._loop_on_ledger:
+            self._loop_on_ledger = False
+            ledger().set_training(False)
         if not self._in_fit:
             return
         self._in_fit = False
@@ -324,7 +345,16 @@ class TrainingRuntime(_TrainFunctionWrapper, ResumeSkipping,
 
     def _scoped(self, function, *args):
         """`function(*args)` inside the step scope a caller set with
-        `scope_steps`, if any."""
+        `scope_steps`, if any; its first call (tracing and compiling it) on
+        the ledger as `compile`."""
+        if function in self._compiled:
+            return self._call_scoped(function, *args)
+        with ledger().spending("compile"):
+            result = self._call_scoped(function, *args)
+        self._compiled.add(function)
+        return result
+
+    def _call_scoped(self, function, *args):
         scope = self._step_scope
         if scope is None:
             return function(*args)

@@ -25,6 +25,7 @@ from keras_mgpu.callbacks.backup import state as callback_state
 from keras_mgpu.callbacks.backup.compatibility import (fingerprint,
                                                       training_config)
 from keras_mgpu.cluster.exit_codes import RESTART_EXIT_CODE
+from keras_mgpu.goodput.ledger import ledger
 from keras_mgpu.callbacks.backup.lock import OwnerLock
 from keras_mgpu.callbacks.backup.options import (check_arguments,
                                                  check_writable)
@@ -330,9 +331,10 @@ class BackupAndRestore(RuntimeCallback):
         try:
             if self._fit.chief:
                 check_writable(self._fit.store)
-            self._restored = restore_latest(
-                model, self._fit, self.backup_dir, self.params,
-                restart_if_unusable=self.restart_if_unusable)
+            with ledger().spending("restore"):
+                self._restored = restore_latest(
+                    model, self._fit, self.backup_dir, self.params,
+                    restart_if_unusable=self.restart_if_unusable)
         except BaseException:
             # Keras skips on_train_end when fit raises: free backup_dir now.
             self._release_lock()
@@ -467,6 +469,10 @@ class BackupAndRestore(RuntimeCallback):
         for the previous one's write, so none is skipped (each is a point a
         rerun may resume from, and the SIGTERM save is the one that counts).
         """
+        with ledger().spending("checkpoint"):
+            self._snapshot(epoch, step_in_epoch)
+
+    def _snapshot(self, epoch: int, step_in_epoch: int) -> None:
         fit = self._fit
         assert fit is not None  # set by on_train_begin
         self._schedule.saved_at(fit.runtime.global_step)
@@ -496,7 +502,8 @@ class BackupAndRestore(RuntimeCallback):
     def _finish_write(self) -> Optional[int]:
         """Waits for the save in flight, if any; the generation it wrote.
         Raises its failure (which stops training)."""
-        write = self._writer.finish()
+        with ledger().spending("checkpoint"):
+            write = self._writer.finish()
         if write is None:
             return None
         if write.error is not None:

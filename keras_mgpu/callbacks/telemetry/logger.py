@@ -28,6 +28,7 @@ from keras_mgpu.callbacks.telemetry.sinks import Sinks
 from keras_mgpu.callbacks.telemetry.state import _Fit, _Progress
 from keras_mgpu.callbacks.telemetry.summaries import _ModelSummaries
 from keras_mgpu.callbacks.telemetry.workers import _spread_over_workers
+from keras_mgpu.goodput.ledger import ledger
 from keras_mgpu.runtime import RuntimeCallback
 
 
@@ -138,6 +139,11 @@ class DistributedLogger(RuntimeCallback):
     JSONL records get `"superseded": true`, and TensorBoard shows the
     values trained again (docs/telemetry.md).
 
+    Every record carries the process's time ledger (`goodput`: the seconds
+    since the attempt began, by category), and one of kind `"goodput"`
+    carries it alone as training begins; `keras-mgpu goodput LOG_DIR` adds
+    up a job's attempts (docs/goodput.md).
+
     Examples are counted from Keras's loss tracker, which `fit` feeds with
     each batch's real size (the last short batch included). Where nothing
     feeds it (a custom `train_step` that does not, a `GradientTape` loop),
@@ -217,10 +223,14 @@ class DistributedLogger(RuntimeCallback):
     ...                   log_dir, update_freq=4, console=False)])
     >>> with open(os.path.join(log_dir, "metrics.jsonl")) as f:
     ...     records = [json.loads(line) for line in f]
-    >>> [(r["kind"], r["steps"], r["examples"]) for r in records]
+    >>> [(r["kind"], r["steps"], r["examples"]) for r in records[1:]]
     [('window', 4, 32.0), ('window', 4, 32.0), ('epoch', 8, 64.0)]
+    >>> records[0]["kind"]  # the time ledger as training began
+    'goodput'
     >>> tuple(records[0]) == JSONL_KEYS
     True
+    >>> sorted(records[-1]["goodput"])  # the time ledger (docs/goodput.md)
+    ['attempt', 'seconds', 'time']
     """
 
     def __init__(
@@ -258,6 +268,10 @@ class DistributedLogger(RuntimeCallback):
         self._hand_loop = _HandLoop()
         # (model, params) of the run writing, on the chief
         self._run: Optional[tuple[Any, Any]] = None
+        # Where this log's time ledger starts (`TimeLedger.baseline`), once
+        # its first `fit` began.
+        self._ledger_since: Optional[dict] = None
+        self._ledger_claimed = False
 
     def __deepcopy__(self, memo):
         # A copy (KerasTuner copies callbacks for every trial) is a new
@@ -300,6 +314,9 @@ class DistributedLogger(RuntimeCallback):
                     self.set_params(params)
                 raise
             self._run = (self._trained_model, self.params)
+            if not self._ledger_claimed:
+                self._ledger_claimed = True
+                self._ledger_since = ledger().baseline()
         super().on_train_begin(logs)
         runtime = self.runtime
         # `fit` reads Keras's compiled step; a hand-written loop (driving a
@@ -475,6 +492,7 @@ class DistributedLogger(RuntimeCallback):
     def _submit(self, record: dict) -> None:
         # Records are written on the chief, which has its sinks.
         assert self._sinks is not None
+        record["goodput"] = ledger().snapshot(self._ledger_since)
         try:
             self._sinks.submit(record)
         except RuntimeError:
@@ -521,6 +539,11 @@ class DistributedLogger(RuntimeCallback):
         if sinks is not None and not sinks.begun:
             assert self._fit is not None  # set by on_train_begin
             sinks.begin_at(self._fit.runtime.completed_steps)
+            # The time ledger as training begins (start-up and restore
+            # known): an attempt killed before its first window has one.
+            self._submit(_record("goodput", self._progress.epoch,
+                                 self._fit.runtime.completed_steps, {}, {},
+                                 {}))
 
     def _finish_epoch(self):
         if self._progress.epoch_span.steps == 0:
@@ -541,6 +564,11 @@ class DistributedLogger(RuntimeCallback):
         counters = read["counters"]
         state = _snapshot(counters)
         end = time.perf_counter()
+        if (state["input_wait"] is not None and progress.last is not None
+                and progress.last["input_wait"] is not None):
+            # Measured inside the steps, which the ledger counted whole.
+            ledger().move("productive", "input_wait",
+                          state["input_wait"] - progress.last["input_wait"])
         window = progress.window
         if progress.last_begin is not None:
             window.step_max = max(window.step_max, end - progress.last_begin)

@@ -13,7 +13,8 @@ import numpy as np
 # Every JSONL line has exactly these keys, in this order; a value that cannot
 # be measured in this run is `null`.
 JSONL_KEYS = (
-    "kind",  # "window" (every `update_freq` steps), "epoch" or "resume"
+    "kind",  # "window" (every `update_freq` steps), "epoch", "resume" or
+    #          "goodput" (the time ledger alone, as training begins)
     "epoch",  # 0-based epoch index, as Keras's callbacks get it
     "step",  # the run's global step (train batches, across resumes)
     "steps",  # batches trained in the record
@@ -46,6 +47,12 @@ JSONL_KEYS = (
     "metrics",  # loss and compiled metrics, global values (val_* at epochs)
     "resume",  # resume records: {"generation", "step", "saved_replicas",
     #            "replicas", "text"}; else null
+    "goodput",  # the time ledger of this process's attempt when the record
+    #             was written: {"time", "attempt": {"started", "pid",
+    #             "launch_attempt", "job_started", "previous_ended"},
+    #             "seconds": {category: seconds since "started"}}
+    #             (keras_mgpu/goodput/ledger.py); `keras-mgpu goodput` reads
+    #             it
     "superseded",  # true once a resume redid the record's steps (a window
     #                or epoch record of an attempt that failed after its
     #                last backup): readers skip it; else false. Last, so

@@ -16,13 +16,17 @@ def tensorboard_scalars(record: dict) -> list:
     telemetry follows in named groups, `<group>/epoch_<name>` or
     `<group>/batch_<name>`: `throughput`, `input`, `distribution` (with more
     than one worker), `mixed_precision` (with a loss scale), `accumulation`
-    (with a `GradientAccumulationModel`) and `memory` (with GPUs). A value
+    (with a `GradientAccumulationModel`) and `memory` (with GPUs); window
+    and `goodput` records add the time ledger, `goodput/<category>` (seconds
+    since the attempt began) and `goodput/goodput`. A value
     the run does not have is not written, nor are the run's constants
     (`workers`, `replicas`: in the JSONL records).
     """
     kind = record["kind"]
     if kind == "resume":
         return [("train", record["step"], {"resume": record["resume"]["text"]})]
+    if kind == "goodput":
+        return [("train", record["step"], _goodput(record["goodput"]))]
     prefix = "batch_" if kind == "window" else "epoch_"
     step = record["step"] if kind == "window" else record["epoch"]
     train, validation = {}, {}
@@ -64,6 +68,8 @@ def tensorboard_scalars(record: dict) -> list:
     for group, values in groups.items():
         for name, value in values.items():
             train[f"{group}/{prefix}{name}"] = value
+    if kind == "window" and record["goodput"] is not None:
+        train.update(_goodput(record["goodput"]))
     out = [("train", step, _present(train))]
     if validation:
         out.append(("validation", step, _present(validation)))
@@ -71,6 +77,17 @@ def tensorboard_scalars(record: dict) -> list:
             f"evaluation_{tag[len('epoch_'):]}_vs_iterations": value
             for tag, value in _present(validation).items()}))
     return out
+
+
+def _goodput(ledger: dict) -> dict:
+    """The time ledger's tags (at the global step): `goodput/<category>`,
+    seconds since the attempt began, and `goodput/goodput`, the
+    productive share of them."""
+    seconds = ledger["seconds"]
+    wall = ledger["time"] - ledger["attempt"]["started"]
+    values = {f"goodput/{name}": value for name, value in seconds.items()}
+    values["goodput/goodput"] = seconds["productive"] / wall if wall > 0 else None
+    return _present(values)
 
 
 def _present(values: dict) -> dict:
