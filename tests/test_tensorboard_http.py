@@ -168,10 +168,11 @@ def test_tags_are_keras_tensorboard_names(tensorboard):
         "evaluation_loss_vs_iterations", "evaluation_mae_vs_iterations",
     }
     # The telemetry, in groups, in `train` only: one worker, no loss scale,
-    # no accumulation; `memory/` only with GPUs.
+    # no accumulation; `memory/` only with GPUs; the time ledger.
     groups = {t.split("/")[0] for t in train if "/" in t}
     gpus = bool(tf.config.list_logical_devices("GPU"))
-    assert groups == {"throughput", "input"} | ({"memory"} if gpus else set())
+    assert groups == {"throughput", "input", "goodput"} | (
+        {"memory"} if gpus else set())
     assert {
         "throughput/epoch_examples_per_sec",
         "throughput/batch_examples_per_sec",

@@ -38,6 +38,7 @@ import threading
 # Set per worker or per attempt by the launcher and `launch`, SLURM's per
 # task, and pytest's per test; read only once the worker runs, if at all.
 _READ_AT_RUN_TIME = ("TF_CONFIG", "KERAS_MGPU_RESULT", "KERAS_MGPU_ATTEMPT",
+                     "KERAS_MGPU_JOB_STARTED", "KERAS_MGPU_PREVIOUS_ENDED",
                      "SLURM_", "PYTEST_CURRENT_TEST")
 # Zygotes kept per pytest process, the least recently used closed first:
 # each holds an imported TensorFlow (about 0.7 GB, shared with its forks).

@@ -201,9 +201,10 @@ def ledger() -> TimeLedger:
         if _ledger is None or _ledger.pid != os.getpid():
             process_started = _process_started()
             started = _from_env(ATTEMPT_STARTED_ENV)
-            # A launcher's figure after this process started is clock
-            # skew: the process's own start is then the better bound.
-            if started is None or started > process_started:
+            # The launcher's figure, unless it came well after this process
+            # started (left in the environment of a later run): /proc's
+            # start is only good to its 10 ms ticks.
+            if started is None or started > process_started + 1.0:
                 started = process_started
             _ledger = TimeLedger(started, {
                 "started": started,
