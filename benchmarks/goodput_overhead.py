@@ -17,7 +17,6 @@ ones that do nothing (the control). Two figures:
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 import os
@@ -29,10 +28,8 @@ import time
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
 from _timing import EpochTimer  # noqa: E402
-from logging_overhead import build  # noqa: E402
+from logging_overhead import build, mlp_arguments, mlp_data  # noqa: E402
 
 from keras_mgpu.callbacks import BackupAndRestore, DistributedLogger  # noqa: E402
 from keras_mgpu.goodput.ledger import TimeLedger  # noqa: E402
@@ -83,26 +80,11 @@ def no_ledger():
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300,
-                        help="train batches per epoch")
-    parser.add_argument("--rounds", type=int, default=6,
-                        help="fits per configuration, taken in turns")
-    parser.add_argument("--epochs", type=int, default=3,
-                        help="epochs per fit; the first one is not timed")
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--features", type=int, default=32)
-    parser.add_argument("--width", type=int, default=128)
+    parser = mlp_arguments(__doc__.splitlines()[0])
     parser.add_argument("--update-freq", type=int, default=100)
     parser.add_argument("--save-freq", type=int, default=100)
     args = parser.parse_args(argv)
-
-    rng = np.random.default_rng(0)
-    n = args.steps * args.batch
-    x = rng.standard_normal((n, args.features), "float32")
-    y = rng.standard_normal((n, 1), "float32")
-    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(
-        args.batch, drop_remainder=True).cache().prefetch(2)
+    data, _, _ = mlp_data(args)
     root = tempfile.mkdtemp(prefix="goodput_overhead_")
     times: dict = {"ledger": [], "control": []}
     shares = []

@@ -93,8 +93,10 @@ def time_hooks(callback, timer: EpochTimer) -> None:
         setattr(callback, name, timed)
 
 
-def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def mlp_arguments(description: str) -> argparse.ArgumentParser:
+    """The options of the MLP and its timed fits (shared with
+    goodput_overhead.py)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--steps", type=int, default=300,
                         help="train batches per epoch")
     parser.add_argument("--rounds", type=int, default=6,
@@ -104,17 +106,27 @@ def main(argv=None) -> dict:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--features", type=int, default=32)
     parser.add_argument("--width", type=int, default=128)
-    parser.add_argument("--short-fits", type=int, default=20,
-                        help="2-step fits per configuration for the "
-                             "per-fit cost (0: skip)")
-    args = parser.parse_args(argv)
+    return parser
 
+
+def mlp_data(args) -> tuple:
+    """`args.steps` batches of random regression data: (the cached
+    dataset, x, y)."""
     rng = np.random.default_rng(0)
     n = args.steps * args.batch
     x = rng.standard_normal((n, args.features), "float32")
     y = rng.standard_normal((n, 1), "float32")
-    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(
-        args.batch, drop_remainder=True).cache().prefetch(2)
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(
+        args.batch, drop_remainder=True).cache().prefetch(2), x, y
+
+
+def main(argv=None) -> dict:
+    parser = mlp_arguments(__doc__.splitlines()[0])
+    parser.add_argument("--short-fits", type=int, default=20,
+                        help="2-step fits per configuration for the "
+                             "per-fit cost (0: skip)")
+    args = parser.parse_args(argv)
+    data, x, y = mlp_data(args)
 
     log_root = tempfile.mkdtemp(prefix="logging_overhead_")
     try:
