@@ -209,17 +209,23 @@ def _read_lines(log_dir: str) -> tuple:
         # The file itself, as a user may well name it.
         path = log_dir
     elif not os.path.isdir(log_dir):
-        raise FileNotFoundError(
-            f"{log_dir} is not a folder"
-            + ("" if os.path.exists(log_dir) else " (no such path)")
-            + ": give the log_dir of the job's DistributedLogger.")
+        raise _not_a_folder(log_dir, os.path.exists(log_dir))
     if not os.path.exists(path):
-        raise FileNotFoundError(
-            f"no {METRICS_FILE} in {log_dir}: give the log_dir of the "
-            "job's keras_mgpu.DistributedLogger(log_dir=...), which writes "
-            "it.")
+        raise _no_metrics(log_dir)
     with open(path, "rb") as f:
         return path, f.read().split(b"\n")
+
+
+def _not_a_folder(log_dir: str, exists: bool) -> FileNotFoundError:
+    return FileNotFoundError(
+        f"{log_dir} is not a folder" + ("" if exists else " (no such path)")
+        + ": give the log_dir of the job's DistributedLogger.")
+
+
+def _no_metrics(log_dir: str) -> FileNotFoundError:
+    return FileNotFoundError(
+        f"no {METRICS_FILE} in {log_dir}: give the log_dir of the job's "
+        "keras_mgpu.DistributedLogger(log_dir=...), which writes it.")
 
 
 def _read_url(log_dir: str) -> tuple:
@@ -229,14 +235,9 @@ def _read_url(log_dir: str) -> tuple:
     path = _fs.join(log_dir, METRICS_FILE)
     try:
         if not _fs.isdir(log_dir):
-            raise FileNotFoundError(
-                f"{log_dir} is not a folder (no such path): give the "
-                "log_dir of the job's DistributedLogger.")
+            raise _not_a_folder(log_dir, exists=False)
         if not _fs.exists(path):
-            raise FileNotFoundError(
-                f"no {METRICS_FILE} in {log_dir}: give the log_dir of the "
-                "job's keras_mgpu.DistributedLogger(log_dir=...), which "
-                "writes it.")
+            raise _no_metrics(log_dir)
         return path, _fs.read_bytes(path).split(b"\n")
     except _fs.ERRORS as e:
         if isinstance(e, OSError):
