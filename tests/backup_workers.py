@@ -30,7 +30,9 @@ def train(backup_dir, preset="preemptible", save_freq=4, accum_steps=None,
           epochs=3, steps=8, hold_write_of=None, report_held_at=None,
           pause_at=None, virtual_cpus=None, mode="window", die_at=None,
           log_dir=None, **overrides):
-    """`log_dir`: also a `DistributedLogger` there (a record per step)."""
+    """`log_dir`: also a `DistributedLogger` there (a record per step).
+    No local tier unless `overrides` give one (the presets' "auto" would
+    save every step in RAM)."""
     import keras_mgpu
 
     strategy = keras_mgpu.auto_strategy(virtual_cpus=virtual_cpus)
@@ -104,6 +106,7 @@ def train(backup_dir, preset="preemptible", save_freq=4, accum_steps=None,
             backup._preemption.requested.wait(timeout=workers.HOLD_SECONDS)
         epoch_step[0] += 1
 
+    overrides.setdefault("local_dir", None)
     backup = BackupAndRestore.from_preset(preset, backup_dir,
                                           save_freq=save_freq, **overrides)
     logger = [] if log_dir is None else [keras_mgpu.DistributedLogger(
@@ -212,7 +215,8 @@ def serve_forks():
 
 
 def train_steps(backup_dir, result, save_freq=1, keep=1, epochs=2, steps=8,
-                width=16, hold=None):
+                width=16, hold=None, local_dir=None, local_save_freq=None,
+                settle_at=None):
     """Trains a small MLP (`width` units in two hidden layers) on `steps`
     batches of 8 per epoch, printing `STEP <optimizer step>;` after each
     batch; saves its final weights and step count to `result` (.npz).
@@ -224,6 +228,10 @@ def train_steps(backup_dir, result, save_freq=1, keep=1, epochs=2, steps=8,
     the pruning of `generation` ("pruning": its manifest is gone, its files
     not yet), printing `HELD <stage> <generation>;`, until the test kills
     the process.
+
+    `local_dir`, `local_save_freq`: a local tier. `settle_at`: at that
+    optimizer step, the writes its saves started are committed before its
+    marker is printed.
     """
     import keras
     import tensorflow as tf
@@ -256,10 +264,14 @@ def train_steps(backup_dir, result, save_freq=1, keep=1, epochs=2, steps=8,
 
         def on_train_batch_end(self, batch, logs=None):
             step = int(self.model.optimizer.iterations.numpy())
+            if step == settle_at:
+                workers.finish_backup_writes()
             marker(f"STEP {step};")
 
     model.fit(dataset, epochs=epochs, verbose=0, shuffle=False, callbacks=[
-        BackupAndRestore(backup_dir, save_freq=save_freq, keep=keep),
+        BackupAndRestore(backup_dir, save_freq=save_freq, keep=keep,
+                         local_dir=local_dir,
+                         local_save_freq=local_save_freq),
         PrintSteps()])
     np.savez(result, *model.get_weights(),
              iterations=int(model.optimizer.iterations.numpy()))

@@ -225,6 +225,39 @@ def test_multi_worker_kill_and_restart_matches_uninterrupted(
     assert os.listdir(temp_dirs[1]) == []
 
 
+def test_multi_worker_local_tier_resumes_from_local_then_from_durable(
+        run_workers, uninterrupted, tmp_path):
+    """2 workers, each with its own local tier (a save every step, a durable
+    one every 4): the first rerun resumes from the local copy both have;
+    after worker 1's local tier is lost, from the durable tier; the run
+    ends where an uninterrupted one ends."""
+    full = uninterrupted(tmp_path, num_workers=2)
+    backup_dir = tmp_path / "backup"
+    local = {"local_dir": str(tmp_path / "local"), "local_save_freq": 1}
+    results = run(run_workers, backup_dir, num_workers=2, kill_at=13,
+                  **local)
+    assert all(r.killed for r in results)
+    # The step-14 save of each worker (batch 13 from 0); durable at 12.
+    assert [generation_lib.generations(str(tmp_path / "local" / f"worker-{i}"))
+            for i in (0, 1)] == [[14, 13], [14, 13]]
+    results = run(run_workers, backup_dir, num_workers=2, kill_at=18,
+                  **local)
+    assert all(r.killed for r in results)
+    assert ("resumed from local generation 14 at epoch 2, step 6 "
+            f"({tmp_path / 'local' / 'worker-0'})") in results[0].stdout
+    shutil.rmtree(tmp_path / "local" / "worker-1")
+    resumed = run(run_workers, backup_dir, num_workers=2, **local)
+    # The durable save at step 16 (worker 0's local copy of step 19 is
+    # not on worker 1).
+    assert "resumed from backup generation 4 at the start of epoch 3" in (
+        resumed[0].stdout)
+    for r in resumed:
+        assert r.result["iterations"] == full["iterations"] == 24
+        assert max_diff(r.result["weights"], full["weights"]) <= 1e-6
+    assert not (tmp_path / "local" / "worker-0").exists()
+    assert not (tmp_path / "local" / "worker-1").exists()
+
+
 def fit_in_process(backup, epochs=3, crash_at=None, extra_callbacks=(),
                    model=None):
     x, y = workers.regression_data(128)
@@ -573,6 +606,28 @@ def test_presets():
         BackupAndRestore.from_preset("spot", "/tmp/x")
 
 
+def test_the_presets_local_tier_is_a_tenth_of_save_freq_in_ram():
+    """`local_dir="auto"`: a folder under /dev/shm named after backup_dir
+    (one per run), saving every tenth of save_freq; none where save_freq
+    gives no room for more frequent saves."""
+    first = BackupAndRestore.from_preset("preemptible", "/tmp/run1/backup")
+    if not os.access("/dev/shm", os.W_OK):
+        assert first.local_dir is None  # and the local tier off
+        return
+    again = BackupAndRestore.from_preset("multi_worker", "/tmp/run1/backup/")
+    other = BackupAndRestore.from_preset("preemptible", "/tmp/run2/backup",
+                                         save_freq=25)
+    assert first.local_dir.startswith(f"/dev/shm/keras-mgpu-{os.getuid()}/")
+    assert again.local_dir == first.local_dir != other.local_dir
+    assert (first.local_save_freq, again.local_save_freq,
+            other.local_save_freq) == (5, 20, 2)
+    for save_freq in ("epoch", 1, False):
+        off = BackupAndRestore.from_preset(
+            "preemptible", "/tmp/x", save_freq=save_freq)
+        assert (off.local_dir, off.local_save_freq) == (None, None)
+    assert BackupAndRestore("/tmp/x", save_freq=50).local_dir is None
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"save_freq": 0}, "Invalid value for save_freq: 0. Use 'epoch', a "
      "positive number of batches, or False"),
@@ -589,6 +644,24 @@ def test_presets():
      r"the previous generation as a fallback, which needs keep >= 2, got "
      r"keep=1. Pass keep=2 \(or more, or leave keep=None\), or "
      "double_checkpoint=False"),
+    ({"local_save_freq": 5}, "local_save_freq=5 needs local_dir: the folder "
+     "on each machine for the local tier"),
+    ({"local_dir": "gs://b/local", "save_freq": 10}, "local_dir='gs://b/local'"
+     " is a URL: the local tier is a folder on each worker's own machine"),
+    ({"local_dir": "/tmp/x/", "save_freq": 10}, "local_dir='/tmp/x/' is "
+     "backup_dir: give the local tier a folder of its own"),
+    ({"local_dir": "", "save_freq": 10}, "local_dir must be None, 'auto' or "
+     "a non-empty path, got ''"),
+    ({"local_dir": "/dev/shm/r", "save_freq": 10, "local_save_freq": 10},
+     "local_save_freq=10 saves no more often than save_freq=10: the local "
+     "tier would add nothing"),
+    ({"local_dir": "/dev/shm/r", "save_freq": 10, "local_save_freq": 0},
+     "local_save_freq must be None or a positive number of batches between "
+     "local saves, got 0"),
+    ({"local_dir": "/dev/shm/r"}, "local_dir needs local_save_freq with "
+     "save_freq='epoch': pass the number of batches between local saves"),
+    ({"local_dir": "/dev/shm/r", "save_freq": 1}, "local_dir needs "
+     "local_save_freq with save_freq=1"),
 ])
 def test_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -1357,10 +1430,10 @@ def test_each_save_is_the_state_of_its_step_while_training_goes_on(
             assert release.acquire(timeout=workers.HOLD_SECONDS)
             return super()._write_generation(*args)
 
-        def _finish_write(self):
+        def _finish_write(self, durable=True):
             if self._write is not None and not self._write.done():
                 release.release()  # the one write in flight may go on
-            return super()._finish_write()
+            return super()._finish_write(durable)
 
     original_write = writer.BackgroundWrite
 

@@ -152,3 +152,60 @@ def test_twenty_kills_at_random_points_of_per_step_saves(forks, tmp_path):
         weights = [saved[f"arr_{i}"] for i in range(len(full))]
     assert max_diff(weights, full) <= 1e-6
     print(f"kills that left a write cut short: {cut_short}")
+
+
+def _truncate_newest_local_weights(local_dir):
+    newest = generation_lib.generation_dir(
+        local_dir, generation_lib.generations(local_dir)[0])
+    with open(os.path.join(newest, "weights.weights.h5"), "r+b") as f:
+        f.truncate(100)
+
+
+@pytest.mark.parametrize("damage, resumed_line, warning", [
+    # Local saves every 3 steps and with each durable one (step 8): a kill
+    # at step 13 leaves local generations 4 (step 9) and 5 (step 12), and
+    # durable generation 1 (step 8).
+    (None, "resumed from local generation 5 at epoch 2, step 4", None),
+    (_truncate_newest_local_weights,
+     "resumed from local generation 4 at epoch 2, step 1",
+     r"local generation 5 in \S+ is unusable \(weights.weights.h5 has 100 "
+     r"bytes, the manifest says \d+\); removed"),
+    (lambda local_dir: __import__("shutil").rmtree(local_dir),
+     "resumed from backup generation 1 at the start of epoch 2", None),
+], ids=["local", "damaged-local", "lost-local"])
+def test_the_local_tier_resumes_exactly_from_local_and_durable_copies(
+        forks, tmp_path, damage, resumed_line, warning):
+    kwargs = {"save_freq": 8, "keep": 1, "epochs": 2, "steps": 8}
+    full, full_steps = finished(forks, tmp_path, "full", **kwargs)
+    backup_dir = str(tmp_path / "backup")
+    local_root = tmp_path / "local"
+    local = {"local_dir": str(local_root), "local_save_freq": 3}
+    code, lines = forks.run(
+        backup_dir=backup_dir, result=str(tmp_path / "killed.npz"),
+        settle_at=13, kill_when=lambda line: 0.0 if line == "STEP 13;"
+        else None, **local, **kwargs)
+    assert code == -signal.SIGKILL, lines
+    local_dir = str(local_root / "worker-0")
+    assert generation_lib.generations(local_dir) == [5, 4]
+    assert generation_lib.generations(backup_dir) == [1]
+    if damage is not None:
+        damage(local_dir)
+    warnings_before = forks.stderr()
+    code, lines = forks.run(backup_dir=backup_dir,
+                            result=str(tmp_path / "resumed.npz"),
+                            **local, **kwargs)
+    if code != 0:
+        forks.fail(f"the rerun exited with {code}")
+    assert any(resumed_line in line for line in lines), lines
+    new_stderr = forks.stderr()[len(warnings_before):]
+    if warning is None:
+        assert "unusable" not in new_stderr, new_stderr[-3000:]
+    else:
+        assert re.search(warning, new_stderr), new_stderr[-3000:]
+    with np.load(tmp_path / "resumed.npz") as saved:
+        assert int(saved["iterations"]) == full_steps == 16
+        weights = [saved[f"arr_{i}"] for i in range(len(full))]
+    assert max_diff(weights, full) <= 1e-6
+    # A finished run deletes both tiers.
+    assert not os.path.exists(backup_dir)
+    assert not os.path.exists(local_dir)

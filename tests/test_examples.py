@@ -231,7 +231,7 @@ def test_ctrl_c_ends_with_one_line_and_a_rerun_resumes(name, tmp_path):
     # The same command again: it resumes; Ctrl-C once more ends the same.
     again = Started(*command, errdir=str(tmp_path), env=env)
     resumed = again.read_until(
-        "BackupAndRestore: resumed from backup generation", required=False)
+        "BackupAndRestore: resumed from ", required=False)
     assert resumed, (name, "".join(again.lines), again.stderr()[-5000:])
     line = interrupted_line(*again.interrupt(), name)
     assert line.endswith("resumes it; run the same command again."), line

@@ -62,7 +62,7 @@ def two_replica_scope(model_parallel=False):
 
 def train(backup_dir, accum_steps=None, mode="window", kill_at=None,
           hold_workers=None, epochs=3, steps=8, save_freq=4,
-          preset="preemptible", model_parallel=False):
+          preset="preemptible", model_parallel=False, local_save_freq=None):
     index, processes = join_processes()
     scope = two_replica_scope(model_parallel)
 
@@ -120,8 +120,11 @@ def train(backup_dir, accum_steps=None, mode="window", kill_at=None,
     def on_epoch_begin(epoch, logs):
         step[0] = epoch * steps
 
-    backup = BackupAndRestore.from_preset(preset, backup_dir,
-                                          save_freq=save_freq)
+    # A local tier beside backup_dir when local_save_freq is given.
+    backup = BackupAndRestore.from_preset(
+        preset, backup_dir, save_freq=save_freq,
+        local_dir=None if local_save_freq is None else f"{backup_dir}-local",
+        local_save_freq=local_save_freq)
     model.fit(x, y, batch_size=local, epochs=epochs, verbose=0,
               shuffle=False, callbacks=[
                   keras.callbacks.LambdaCallback(

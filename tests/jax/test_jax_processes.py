@@ -95,8 +95,9 @@ def test_two_processes_train_and_resume_as_one_process(run_workers,
                                                        tmp_path):
     # Window accumulation with dropout and a metric, each process feeding
     # its half of every global batch; killed mid-window, then preempted on
-    # one process only.
-    kwargs = {"accum_steps": 3, "save_freq": 4}
+    # one process only. A local tier saves every batch: each resume is
+    # from the local copies both processes have.
+    kwargs = {"accum_steps": 3, "save_freq": 4, "local_save_freq": 1}
     one = train(run_workers, tmp_path / "one", 1, **kwargs)[0].result
     two = train(run_workers, tmp_path / "two", 2, **kwargs)
     for worker in two:
@@ -112,8 +113,11 @@ def test_two_processes_train_and_resume_as_one_process(run_workers,
     for worker in stopped:
         assert worker.returncode == RESTART_EXIT_CODE, worker.stderr[-3000:]
         assert "SIGTERM received" in worker.stderr
+    # The kill came after the local save of step 6 (batch 5 from 0).
+    assert "resumed from local generation 6 at epoch 1, step 6" in (
+        stopped[0].stdout)
     resumed = train(run_workers, backup_dir, 2, **kwargs)
-    assert "resumed from backup generation" in resumed[0].stdout  # chief
+    assert "resumed from local generation" in resumed[0].stdout  # chief
     for worker in resumed:
         assert worker.result["iterations"] == one["iterations"]
         assert worker.result["global_step"] == 24

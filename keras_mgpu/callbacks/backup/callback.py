@@ -20,7 +20,7 @@ from keras_mgpu import compat
 from keras_mgpu import strategy as strategy_lib
 from keras_mgpu._version import __version__
 from keras_mgpu.callbacks._console import print_msg
-from keras_mgpu.callbacks.backup import generation, writer
+from keras_mgpu.callbacks.backup import generation, local_tier, writer
 from keras_mgpu.callbacks.backup import state as callback_state
 from keras_mgpu.callbacks.backup.compatibility import (fingerprint,
                                                       training_config)
@@ -28,6 +28,7 @@ from keras_mgpu.cluster.exit_codes import RESTART_EXIT_CODE
 from keras_mgpu.goodput.ledger import ledger
 from keras_mgpu.callbacks.backup.lock import OwnerLock
 from keras_mgpu.callbacks.backup.options import (check_arguments,
+                                                 check_local_tier,
                                                  check_writable)
 from keras_mgpu.callbacks.backup.preemption import SigtermNotice
 from keras_mgpu.callbacks.backup.presets import preset_arguments
@@ -134,11 +135,26 @@ class BackupAndRestore(RuntimeCallback):
 
     Under `MultiWorkerMirroredStrategy` every worker takes part in each save
     (reading replica-local variables is a collective), only the chief writes
-    to `backup_dir`, and all workers resume from the same generation. On
+    to `backup_dir` (every worker to its local tier, if any), and all
+    workers resume from the same generation. On
     Keras's JAX backend, under a `keras.distribution` distribution, the
     same holds for `jax.distributed` processes (process 0 is the chief); a
     variable split over devices of other processes (`ModelParallel`) is
     gathered from them for the save.
+
+    A local tier (`local_dir`) makes a failure cost fewer steps: saves every
+    `local_save_freq` batches go to a fast folder on each worker's own
+    machine (for example under `/dev/shm`), every worker writing its own
+    copy, with the same store and checks; `backup_dir` is written every
+    `save_freq` batches as before (each durable save is a local one too). A
+    local save waits only for the previous local write, not for a durable
+    write in flight. A restore takes the newest local generation that every
+    worker has and that is not older than the newest durable one (the
+    workers agree on it in one collective), else the durable tier: a worker
+    whose local folder is gone (a new machine, a reboot) makes the run
+    resume from `backup_dir`. A damaged local generation is removed with a
+    warning, and local generations newer than the one resumed from are
+    removed. A finished run deletes both tiers (with `delete_checkpoint`).
 
     Not `async_safe`: a save at a batch end copies the state that batch
     left, and a SIGTERM stops the run there, so its batch ends run in
@@ -203,6 +219,18 @@ class BackupAndRestore(RuntimeCallback):
             incomplete), raise an error naming them instead of training
             from the start. `True`: warn, leave them, and train from the
             start. Keyword-only.
+        local_dir: Defaults to `None`: no local tier. A folder on each
+            worker's machine (not a URL; one per run: each worker uses
+            `<local_dir>/worker-<index>`), or `"auto"`: a folder named
+            after `backup_dir` under `/dev/shm` where that exists (a
+            first save that finds no room there for three generations
+            warns and writes `backup_dir` only), and no local tier where
+            `save_freq` leaves no room for more frequent saves
+            (`"epoch"`, `False`, `1`). Keyword-only.
+        local_save_freq: Defaults to `None`: a tenth of `save_freq` (at
+            least 1); required for an explicit `local_dir` with
+            `save_freq="epoch"` or `False`. Batches between local saves,
+            fewer than `save_freq`. Keyword-only.
 
     Example:
 
@@ -233,12 +261,27 @@ class BackupAndRestore(RuntimeCallback):
         save_on_sigterm: bool = False,
         exit_code: int = RESTART_EXIT_CODE,
         restart_if_unusable: bool = False,
+        local_dir: Optional[str] = None,
+        local_save_freq: Optional[int] = None,
     ):
         super().__init__()
         keep = check_arguments(
             backup_dir, save_freq, double_checkpoint, delete_checkpoint, keep,
             save_on_sigterm, exit_code, restart_if_unusable)
         self.backup_dir = str(backup_dir).rstrip("/")
+        self.local_save_freq = check_local_tier(
+            local_dir, local_save_freq, self.backup_dir, save_freq)
+        if self.local_save_freq is None:
+            local_dir = None
+        # The folder the local tier uses ("auto" resolved; None: none).
+        self.local_dir = local_tier.resolve(
+            None if local_dir is None else str(local_dir).rstrip("/"),
+            self.backup_dir)
+        # Every worker has one if the local tier is on, even where "auto"
+        # found no RAM folder: the workers agree on a restore together.
+        self._local = None if self.local_save_freq is None else (
+            local_tier.LocalTier(self.local_dir, self.local_save_freq,
+                                 auto=local_dir == "auto"))
         self.save_freq = save_freq
         self.keep = keep
         self.delete_checkpoint = delete_checkpoint
@@ -281,7 +324,10 @@ class BackupAndRestore(RuntimeCallback):
 
     def on_train_begin(self, logs=None):
         compat.check_backup_support(self.model)
-        error = self._writer.wait_for_earlier()
+        if self._local is not None:
+            self._local.start()
+        errors = [w.wait_for_earlier() for w in self._writers()]
+        error = next((e for e in errors if e is not None), None)
         if error is not None:
             warnings.warn(f"BackupAndRestore: the last save of an "
                           f"earlier fit failed: {error}", stacklevel=2)
@@ -306,7 +352,8 @@ class BackupAndRestore(RuntimeCallback):
         defer = bool(callback_state.stateful_callbacks(later))
         # A callback with half the protocol fails here, before training.
         callback_state.stateful_callbacks(self._fit.siblings)
-        self._schedule.start(runtime.global_step, defer_epoch_end=defer)
+        for schedule in self._schedules():
+            schedule.start(runtime.global_step, defer_epoch_end=defer)
         self._restored = Restored()
         self._lock = None
         if self._fit.chief:
@@ -334,13 +381,15 @@ class BackupAndRestore(RuntimeCallback):
             with ledger().spending("restore"):
                 self._restored = restore_latest(
                     model, self._fit, self.backup_dir, self.params,
-                    restart_if_unusable=self.restart_if_unusable)
+                    restart_if_unusable=self.restart_if_unusable,
+                    local=self._local)
         except BaseException:
             # Keras skips on_train_end when fit raises: free backup_dir now.
             self._release_lock()
             raise
         # Where the restore left the run, if it did.
-        self._schedule.saved_at(runtime.global_step)
+        for schedule in self._schedules():
+            schedule.saved_at(runtime.global_step)
         if self.save_on_sigterm:
             self._preemption.fit_started(model)
 
@@ -363,17 +412,20 @@ class BackupAndRestore(RuntimeCallback):
         assert self._fit is not None  # set by on_train_begin
         runtime = self._fit.runtime
         self._refresh_lock()
-        if self._write is not None and self._write.done():
-            self._finish_write()  # raises here if the write failed
+        if any(w.current is not None and w.current.done()
+               for w in self._writers()):
+            self._finish_write()  # raises here if a write failed
         if not runtime.batch_trains:
             return  # a batch the interrupted run had already trained on
         # What the call read, not Keras's `batch`: a last, partial call of
         # steps_per_execution batches reports more than it held.
         done = runtime.epoch_step
         epoch = self._schedule.epoch
-        if self._schedule.due_after_batch(runtime.global_step,
-                                          runtime.last_call_of_epoch):
-            self._save(epoch, done)
+        due = [schedule.due_after_batch(runtime.global_step,
+                                        runtime.last_call_of_epoch)
+               for schedule in self._schedules()]
+        if any(due):
+            self._save(epoch, done, durable=due[0])
         if self.save_on_sigterm and self._preemption.agreed(
                 self._fit.strategy, self._fit.multi_worker):
             self._save(epoch, done)
@@ -396,14 +448,19 @@ class BackupAndRestore(RuntimeCallback):
     def on_epoch_end(self, epoch, logs=None):
         super().on_epoch_end(epoch, logs)
         self._announce_resume()
-        started = self._schedule.due_at_epoch_end(epoch)
-        if started is not None:
-            self._save(started, 0)
+        self._save_epoch_start([schedule.due_at_epoch_end(epoch)
+                                for schedule in self._schedules()])
 
     def _save_pending_epoch_end(self) -> None:
-        started = self._schedule.take_deferred()
+        self._save_epoch_start([schedule.take_deferred()
+                                for schedule in self._schedules()])
+
+    def _save_epoch_start(self, due: list) -> None:
+        """Saves as the epoch in `due` (the durable schedule's answer first,
+        then the local tier's) starts, if any tier is due."""
+        started = next((epoch for epoch in due if epoch is not None), None)
         if started is not None:
-            self._save(started, 0)
+            self._save(started, 0, durable=due[0] is not None)
 
     def on_train_end(self, logs=None):
         super().on_train_end(logs)
@@ -416,9 +473,11 @@ class BackupAndRestore(RuntimeCallback):
         self._host.free()
         self._release_lock()
         assert self._fit is not None  # set by on_train_begin
-        if (self.delete_checkpoint and self._fit.chief
-                and not self._restored.keep_backups):
-            self._fit.store.delete()
+        if self.delete_checkpoint and not self._restored.keep_backups:
+            if self._fit.chief:
+                self._fit.store.delete()
+            if self._local is not None:
+                self._local.delete()
 
     def _announce_resume(self, mid_epoch: bool = False) -> None:
         """Prints where the run resumed from (the chief), once nothing can
@@ -459,28 +518,55 @@ class BackupAndRestore(RuntimeCallback):
 
     # --- saving -------------------------------------------------------------
 
-    def _save(self, epoch: int, step_in_epoch: int) -> None:
+    def _schedules(self) -> list:
+        """The durable tier's save schedule, then the local tier's."""
+        return [self._schedule] + (
+            [] if self._local is None else [self._local.schedule])
+
+    def _writers(self) -> list:
+        """The local tier's writer (if it writes), then the durable one's:
+        the order a save waits for them in (the local write starts the
+        durable one)."""
+        local = self._local
+        return ([] if local is None or local.writer is None
+                else [local.writer]) + [self._writer]
+
+    def _save(self, epoch: int, step_in_epoch: int,
+              durable: bool = True) -> None:
         """Takes a snapshot of the training state; the chief writes it as
-        the next generation on a background thread.
+        the next durable generation (if `durable`), every worker as its
+        next local one (with a local tier), on background threads.
 
         The training thread only reads: the variables into host memory
         (what `save_weights` writes, and the RNG states it leaves out) and
-        the small state. At most one save is in flight: a save first waits
-        for the previous one's write, so none is skipped (each is a point a
-        rerun may resume from, and the SIGTERM save is the one that counts).
+        the small state. At most one write is in flight per tier: a save
+        first waits for the previous one's write in the tiers it writes to,
+        so none is skipped (each is a point a rerun may resume from, and
+        the SIGTERM save is the one that counts). A local save does not
+        wait for a durable write in flight.
         """
         with ledger().spending("checkpoint"):
-            self._snapshot(epoch, step_in_epoch)
+            self._snapshot(epoch, step_in_epoch, durable)
 
-    def _snapshot(self, epoch: int, step_in_epoch: int) -> None:
+    def _snapshot(self, epoch: int, step_in_epoch: int,
+                  durable: bool) -> None:
         fit = self._fit
         assert fit is not None  # set by on_train_begin
-        self._schedule.saved_at(fit.runtime.global_step)
-        self._finish_write()
-        # Every worker reads (collectives); only the chief keeps it.
+        local = self._local
+        for schedule in self._schedules()[0 if durable else 1:]:
+            schedule.saved_at(fit.runtime.global_step)
+        # The local write encodes from the host arrays read into below.
+        self._finish_write(durable=durable)
+        # Every worker reads (collectives); only the chief keeps it for the
+        # durable tier.
         weights, extra = self._host.read(self.model, fit.runtime)
         runtime_state = fit.runtime.state()
-        if not fit.chief:
+        if local is not None:
+            local.check_room(weights, extra)
+            if not local.writes:
+                local = None
+        durable = durable and fit.chief
+        if not (durable or local):
             return
         callbacks, callback_arrays = callback_state.snapshot(fit.siblings)
         state = {
@@ -496,21 +582,31 @@ class BackupAndRestore(RuntimeCallback):
         }
         files = ({} if callback_arrays is None
                  else {callback_state.ARRAYS_FILE: callback_arrays})
-        self._writer.start(self._write_generation, weights, extra, state,
-                           files)
+        if local is None:
+            self._writer.start(self._write_generation, weights, extra,
+                               state, files)
+        else:
+            assert local.writer is not None  # local.writes
+            local.writer.start(self._write_tiers, weights, extra, state,
+                               files, durable)
 
-    def _finish_write(self) -> Optional[int]:
-        """Waits for the save in flight, if any; the generation it wrote.
-        Raises its failure (which stops training)."""
-        with ledger().spending("checkpoint"):
-            write = self._writer.finish()
-        if write is None:
-            return None
-        if write.error is not None:
-            self._release_lock()
-            self._preemption.fit_ended()
-            raise write.error
-        return write.number
+    def _finish_write(self, durable: bool = True) -> Optional[int]:
+        """Waits for the writes in flight, if any (`durable=False`: the
+        local tier's only); the durable generation written. Raises a
+        failure (which stops training)."""
+        number = None
+        for tier in self._writers()[: None if durable else -1]:
+            with ledger().spending("checkpoint"):
+                write = tier.finish()
+            if write is None:
+                continue
+            if write.error is not None:
+                self._release_lock()
+                self._preemption.fit_ended()
+                raise write.error
+            if tier is self._writer:
+                number = write.number
+        return number
 
     def _write_generation(self, weights: list, extra: list,
                           state: dict, more_files: dict) -> int:
@@ -521,3 +617,16 @@ class BackupAndRestore(RuntimeCallback):
         return writer.write_generation(
             self._fit.store,
             generation.encode(weights, extra, state, more_files))
+
+    def _write_tiers(self, weights: list, extra: list, state: dict,
+                     more_files: dict, durable: bool) -> int:
+        """The local tier's write (on its thread): encodes the snapshot
+        once, starts the durable write of the same bytes on a thread of its
+        own (if `durable`), then writes the local generation; its number."""
+        assert self._fit is not None and self._local is not None
+        files = generation.encode(weights, extra, state, more_files)
+        if durable:
+            self._writer.start(writer.write_generation, self._fit.store,
+                               files)
+        assert self._local.store is not None  # local.writes
+        return writer.write_generation(self._local.store, files)

@@ -75,6 +75,57 @@ def check_arguments(
     return keep
 
 
+def check_local_tier(local_dir, local_save_freq, backup_dir: str,
+                     save_freq: Union[str, int, bool]) -> Optional[int]:
+    """Raises on a bad `local_dir` or `local_save_freq`; returns the local
+    tier's save frequency (None: no local tier). By default a tenth of an
+    integer `save_freq`; `local_dir="auto"` has no local tier where none
+    can be derived (`save_freq` of "epoch", False or 1)."""
+    if local_dir is None:
+        if local_save_freq is not None:
+            raise ValueError(
+                f"local_save_freq={local_save_freq!r} needs local_dir: the "
+                "folder on each machine for the local tier, e.g. "
+                "local_dir='/dev/shm/run1' or local_dir='auto'.")
+        return None
+    if not is_nonempty_path(local_dir):
+        raise ValueError(
+            f"local_dir must be None, 'auto' or a non-empty path, got "
+            f"{local_dir!r}.")
+    path = os.fspath(local_dir)
+    if _fs.is_url(path):
+        raise ValueError(
+            f"local_dir={path!r} is a URL: the local tier is a folder on "
+            "each worker's own machine, e.g. '/dev/shm/run1'. Durable "
+            "storage such as gs:// goes in backup_dir.")
+    auto = path == "auto"
+    if not auto and os.path.abspath(path) == os.path.abspath(backup_dir):
+        raise ValueError(
+            f"local_dir={path!r} is backup_dir: give the local tier a "
+            "folder of its own, e.g. under /dev/shm.")
+    periodic = (save_freq if isinstance(save_freq, int)
+                and is_positive_int(save_freq) else None)
+    if local_save_freq is None:
+        if periodic is not None and periodic >= 2:
+            return max(1, periodic // 10)
+        if auto:
+            return None
+        raise ValueError(
+            f"local_dir needs local_save_freq with save_freq={save_freq!r}"
+            ": pass the number of batches between local saves.")
+    if not is_positive_int(local_save_freq):
+        raise ValueError(
+            f"local_save_freq must be None or a positive number of batches "
+            f"between local saves, got {local_save_freq!r}.")
+    if periodic is not None and local_save_freq >= periodic:
+        raise ValueError(
+            f"local_save_freq={local_save_freq} saves no more often than "
+            f"save_freq={save_freq}: the local tier would add nothing. "
+            "Pass a smaller local_save_freq (by default a tenth of "
+            "save_freq), or local_dir=None.")
+    return local_save_freq
+
+
 def _check_backup_dir(path: str) -> None:
     """Refuses a `backup_dir` that names no directory of its own."""
     if _fs.is_url(path):

@@ -19,12 +19,14 @@ PRESETS: dict[str, dict[str, Any]] = {
     "preemptible": {
         "save_freq": 50,
         "keep": 2,
+        "local_dir": "auto",
         "save_on_sigterm": True,
         "exit_code": RESTART_EXIT_CODE,
     },
     "multi_worker": {
         "save_freq": 200,
         "keep": 3,
+        "local_dir": "auto",
         "save_on_sigterm": True,
         "exit_code": RESTART_EXIT_CODE,
     },

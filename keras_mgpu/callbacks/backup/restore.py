@@ -11,7 +11,7 @@ from typing import Optional
 import numpy as np
 
 from keras_mgpu import _fs, compat
-from keras_mgpu.callbacks.backup import agreement, generation
+from keras_mgpu.callbacks.backup import agreement, generation, local_tier
 from keras_mgpu.callbacks.backup.compatibility import (check_compatible,
                                                       unsaved_variables)
 
@@ -31,36 +31,45 @@ class Restored:
 
 
 def restore_latest(model, fit, backup_dir: str, params: Optional[dict], *,
-                   restart_if_unusable: bool) -> Restored:
+                   restart_if_unusable: bool,
+                   local: Optional[local_tier.LocalTier] = None) -> Restored:
     """Restores `model` and `fit.runtime` from the newest usable generation
     in `fit.store`, falling back past unusable ones with a warning; nothing
     if there is none. `fit`: who takes part (`runtime`, `strategy`, `chief`,
-    `multi_worker`, `store`)."""
+    `multi_worker`, `store`). With a `local` tier, from its newest
+    generation every worker has instead, where that is not older."""
     store = fit.store
     if fit.chief and _fs.exists(backup_dir):
         # What killed saves left: uncommitted, so never read.
         store.remove_leftovers()
-    found = store.latest_usable(generation.REQUIRED,
-                                validate=generation.parse_state)
-    chosen, state, files = found.number, found.value, found.files
-    unusable = [f"generation {n} ({why})" for n, why in found.unusable]
-    fallbacks = [n for n, _ in found.unusable[1:]] + [chosen]
-    for (number, why), fallback in zip(found.unusable, fallbacks):
-        if fallback is not None:
-            warnings.warn(
-                f"BackupAndRestore: generation {number} in "
-                f"{backup_dir} is unusable ({why}); falling back "
-                f"to generation {fallback}.",
-                stacklevel=2,
-            )
-    if fit.multi_worker:
-        agreement.check_same_generation(fit.strategy, chosen or 0, backup_dir)
     restored = Restored()
+    near, claim = None, -1
+    if local is not None:
+        claim = local_tier.durable_step(store)
+        near = local.agreed(fit.strategy, claim)
+    if near is not None and near.step >= claim:
+        chosen, state, files = near.number, near.state, near.files
+    else:
+        chosen, state, files = _durable(
+            fit, backup_dir, restart_if_unusable or near is not None)
+        if near is not None and (
+                chosen is None
+                or near.step >= state["runtime"]["global_step"]):
+            # The durable tier's newest was unusable, and older than the
+            # local copy every worker has.
+            chosen, state, files = near.number, near.state, near.files
+        else:
+            near = None
+    if local is not None:
+        local.keep_up_to(-1 if chosen is None
+                         else state["runtime"]["global_step"])
     if chosen is None:
-        if unusable:
-            _all_unusable(backup_dir, unusable, restart_if_unusable)
         return restored
-    check_compatible(model, state, f"generation {chosen} in {backup_dir}",
+    tier, directory = "backup", backup_dir
+    if near is not None:
+        assert local is not None and local.directory is not None
+        tier, directory = "local", local.directory
+    check_compatible(model, state, f"generation {chosen} in {directory}",
                      files)
     if not model.built:
         raise ValueError(
@@ -96,9 +105,33 @@ def restore_latest(model, fit, backup_dir: str, params: Optional[dict], *,
     restored.callback_states = state["callbacks"]
     if fit.chief:
         restored.announcement = (
-            f"BackupAndRestore: resumed from backup generation {chosen} "
-            f"{where} ({backup_dir})")
+            f"BackupAndRestore: resumed from {tier} generation {chosen} "
+            f"{where} ({directory})")
     return restored
+
+
+def _durable(fit, backup_dir: str, restart_if_unusable: bool) -> tuple:
+    """(number, state, files) of the newest usable durable generation, the
+    workers agreed; (None, None, None) if there is none (an error if every
+    one is unusable, unless `restart_if_unusable`)."""
+    found = fit.store.latest_usable(generation.REQUIRED,
+                                    validate=generation.parse_state)
+    chosen = found.number
+    unusable = [f"generation {n} ({why})" for n, why in found.unusable]
+    fallbacks = [n for n, _ in found.unusable[1:]] + [chosen]
+    for (number, why), fallback in zip(found.unusable, fallbacks):
+        if fallback is not None:
+            warnings.warn(
+                f"BackupAndRestore: generation {number} in "
+                f"{backup_dir} is unusable ({why}); falling back "
+                f"to generation {fallback}.",
+                stacklevel=3,
+            )
+    if fit.multi_worker:
+        agreement.check_same_generation(fit.strategy, chosen or 0, backup_dir)
+    if chosen is None and unusable:
+        _all_unusable(backup_dir, unusable, restart_if_unusable)
+    return chosen, found.value, found.files
 
 
 def _position(epoch: int, step_in_epoch: int) -> str:
@@ -123,4 +156,4 @@ def _all_unusable(backup_dir: str, unusable: list,
             "new backup_dir."
         )
     warnings.warn(f"BackupAndRestore: {message} Training from the start "
-                  "(restart_if_unusable=True).", stacklevel=3)
+                  "(restart_if_unusable=True).", stacklevel=4)

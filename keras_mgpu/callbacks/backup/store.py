@@ -108,12 +108,14 @@ class GenerationStore:
         """The directory of generation `number`."""
         return _fs.join(self.directory, f"{GENERATION_PREFIX}{number:08d}")
 
-    def read(self, number: int, required: Iterable[str] = ()) -> dict:
-        """The files of generation `number`, name to bytes, each verified.
+    def read(self, number: int, required: Iterable[str] = (),
+             only: Optional[Iterable[str]] = None) -> dict:
+        """The files of generation `number`, name to bytes, each verified
+        (`only`: just those of them).
 
         Raises `CorruptGeneration` if the manifest is missing, is not what a
         manifest holds, or does not list a name in `required`, or if a
-        listed file is missing or differs from its size or checksum.
+        listed file read is missing or differs from its size or checksum.
         """
         path = self.path(number)
         listed = _parse_manifest(
@@ -124,6 +126,8 @@ class GenerationStore:
                 f"its manifest does not list {', '.join(missing)}")
         contents = {}
         for name, (size, digest) in listed.items():
+            if only is not None and name not in only:
+                continue
             data = _read_checked(_fs.join(path, name), name, size)
             if hashlib.sha256(data).hexdigest() != digest:
                 raise CorruptGeneration(f"{name} fails its checksum")
@@ -237,6 +241,11 @@ class GenerationStore:
         for _, name in self._numbered():
             if not self._committed(name):
                 self._retire(name)
+
+    def remove(self, number: int) -> None:
+        """Removes generation `number` (its manifest first). Only the
+        writing process may call it."""
+        self._retire(f"{GENERATION_PREFIX}{number:08d}")
 
     def delete(self) -> None:
         """Removes every generation and leftover, oldest first, then
