@@ -37,7 +37,9 @@ def records(log_dir):
         return [json.loads(line) for line in f]
 
 
-def fit(log_dir, backup_dir=None, epochs=2, train_batches=6, val_batches=3):
+def model_and_data(train_batches, val_batches, batches=SlowBatches):
+    """A compiled small model, and `batches` of `train_batches` and of
+    `val_batches` of a regression."""
     rng = np.random.default_rng(0)
     n = (train_batches + val_batches) * BATCH
     x = rng.normal(size=(n, 4)).astype("float32")
@@ -47,12 +49,17 @@ def fit(log_dir, backup_dir=None, epochs=2, train_batches=6, val_batches=3):
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8),
                               keras.layers.Dense(1)])
     model.compile("adam", "mse")
+    return (model, batches(x[:split], y[:split]),
+            batches(x[split:], y[split:]))
+
+
+def fit(log_dir, backup_dir=None, epochs=2, train_batches=6, val_batches=3):
+    model, train, validation = model_and_data(train_batches, val_batches)
     callbacks = [DistributedLogger(log_dir, update_freq=2, console=False)]
     if backup_dir is not None:
         callbacks.append(BackupAndRestore(backup_dir, save_freq=2))
-    model.fit(SlowBatches(x[:split], y[:split]),
-              validation_data=SlowBatches(x[split:], y[split:]),
-              epochs=epochs, verbose=0, callbacks=callbacks)
+    model.fit(train, validation_data=validation, epochs=epochs, verbose=0,
+              callbacks=callbacks)
     return records(log_dir)
 
 
