@@ -53,25 +53,12 @@ import keras_mgpu  # noqa: E402  (sets KERAS_BACKEND before keras loads)
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from _timed_backup import TimedBackup  # noqa: E402
+from _timed_backup import TimedBackup, TimedKerasBackup  # noqa: E402
 from _timing import EpochTimer  # noqa: E402
 
 NONE = "no callback"
 KERAS = "keras"
 OURS = "keras-mgpu"
-
-
-class TimedKerasBackup(keras.callbacks.BackupAndRestore):
-    """Keras's callback, timing each call of its save path."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.save_seconds = []
-
-    def _save_model(self):
-        start = time.perf_counter()
-        super()._save_model()
-        self.save_seconds.append(time.perf_counter() - start)
 
 
 def build(features: int, width: int) -> keras.Model:

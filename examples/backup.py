@@ -2,8 +2,9 @@
 
     python examples/backup.py [--smoke] [--workdir DIR]
 
-The "preemptible" preset saves every 50 batches and on SIGTERM; a rerun with
-the same --workdir resumes at the next unseen batch.
+The "preemptible" preset saves every 50 batches (here 10) to the backup
+folder, ten times as often to /dev/shm, and on SIGTERM; a rerun with the same
+--workdir resumes at the next unseen batch.
 """
 
 # _common first: it quiets TensorFlow's start-up logs.

@@ -130,7 +130,8 @@ def run(workdir: str, log_dir: str, epochs: int, trials: int) -> dict:
         DistributedLogger(log_dir, update_freq=10),
         # Where training is, for the line Ctrl-C ends with.
         current().callback(),
-        # Says "resumed from backup generation N ..." on a rerun.
+        # Says "resumed from local generation N ..." on a rerun (a copy
+        # every batch in /dev/shm, every 10 in backup_dir).
         BackupAndRestore.from_preset("preemptible", backup_dir, save_freq=10),
     ]
     say(f"Training {epochs} epochs ({units} hidden units, 2 micro-batches "
