@@ -240,10 +240,22 @@ def test_ctrl_c_ends_with_one_line_and_a_rerun_resumes(name, tmp_path):
 def test_the_rerun_resumes_its_run_and_labels_the_partial_epoch(demo):
     _, _, rerun, _ = demo
     assert rerun.startswith("Continuing run 1 of "), rerun
-    # The epoch the interrupted run had begun: its last backup was mid-epoch.
-    assert re.search(r"^DistributedLogger epoch [12] \(resumed after batch "
-                     r"\d+: \d+ batch(es)? trained here\): loss ", rerun,
-                     re.M), rerun
+    # Where the last save before the Ctrl-C was (the preset's local tier
+    # saves every batch): mid-epoch, and the logger labels the epoch the
+    # rerun finishes; at an epoch's start, and that epoch is whole.
+    resumed = re.search(r"^BackupAndRestore: resumed from local generation "
+                        r"\d+ at (?:epoch (\d), step (\d+)|the start of "
+                        r"epoch (\d)) ", rerun, re.M)
+    assert resumed, rerun
+    mid_epoch, _, start = resumed.groups()
+    label = re.search(r"^DistributedLogger epoch (\d)( \(resumed after batch "
+                      r"(\d+): \d+ batch(?:es)? trained here\))?: loss ",
+                      rerun, re.M)
+    assert label, rerun
+    if mid_epoch is not None:
+        assert label.group(1) == mid_epoch and label.group(2), rerun
+    else:
+        assert (label.group(1), label.group(2)) == (start, None), rerun
 
 
 def test_the_demos_tensorboard_overlays_train_and_validation(
