@@ -89,8 +89,13 @@ def train(backup_dir, preset="preemptible", save_freq=4, accum_steps=None,
 
     def on_batch_end(batch, logs):
         if epoch_step[0] == pause_at:
-            # Saves before this step are committed when the test acts.
+            # Saves before this step are committed when the test acts, on
+            # every worker (the test acts when the first one prints).
             workers.finish_backup_writes()
+            if keras_mgpu.num_workers() > 1:
+                from keras_mgpu import backend
+                backend.active().sum_over_workers(
+                    strategy, 1.0, keras_mgpu.num_workers())
         if epoch_step[0] == report_held_at:
             # Training got here while the write is held mid-generation.
             held.wait(timeout=workers.HOLD_SECONDS)
