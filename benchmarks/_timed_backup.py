@@ -39,24 +39,21 @@ class TimedBackup(BackupAndRestore):
         self.write_seconds = []
 
     def _save(self, *args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return super()._save(*args, **kwargs)
-        finally:
-            self.save_seconds.append(time.perf_counter() - start)
+        return _timed(self.save_seconds, super()._save, *args, **kwargs)
 
     def _write_generation(self, *args):
-        start = time.perf_counter()
-        try:
-            return super()._write_generation(*args)
-        finally:
-            self.write_seconds.append(time.perf_counter() - start)
+        return _timed(self.write_seconds, super()._write_generation, *args)
 
     def _write_tiers(self, *args):
         # With a local tier: its write (the durable one, when due, runs on
         # a thread of its own and is not timed here).
-        start = time.perf_counter()
-        try:
-            return super()._write_tiers(*args)
-        finally:
-            self.write_seconds.append(time.perf_counter() - start)
+        return _timed(self.write_seconds, super()._write_tiers, *args)
+
+
+def _timed(seconds: list, call, *args, **kwargs):
+    """`call(*args, **kwargs)`, its duration appended to `seconds`."""
+    start = time.perf_counter()
+    try:
+        return call(*args, **kwargs)
+    finally:
+        seconds.append(time.perf_counter() - start)
