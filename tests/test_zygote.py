@@ -8,6 +8,7 @@ import os
 import select
 import signal
 import sys
+import tempfile
 
 import pytest
 
@@ -27,6 +28,7 @@ def describe(marker):
             "result_file": os.path.basename(
                 os.environ[launcher.RESULT_ENV]),
             "argv": sys.argv[1:2],
+            "tempdir": tempfile.gettempdir(),
             "tensorflow_imported": "tensorflow" in sys.modules}
 
 
@@ -41,7 +43,7 @@ def end(how):
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-def run(tmp_path, forked, target, **kwargs):
+def run(tmp_path, forked, target, env=QUIET, **kwargs):
     """`run_local_workers` on 2 workers, started fresh or by fork."""
     from keras_mgpu.cluster import workers
 
@@ -53,7 +55,7 @@ def run(tmp_path, forked, target, **kwargs):
     try:
         return launcher.run_local_workers(target, 2, timeout=120,
                                           cwd=str(cwd), check=False,
-                                          env=QUIET, **kwargs)
+                                          env=env, **kwargs)
     finally:
         if undo is not None:
             undo()
@@ -61,7 +63,13 @@ def run(tmp_path, forked, target, **kwargs):
 
 
 def test_a_forked_worker_is_what_a_fresh_one_is(tmp_path):
+    # A TMPDIR of each worker's own: read as the worker runs, not as its
+    # zygote imported TensorFlow.
+    for i in range(2):
+        (tmp_path / f"tmp{i}").mkdir()
     runs = {forked: run(tmp_path, forked, "tests.test_zygote:describe",
+                        env=lambda i: {**QUIET,
+                                       "TMPDIR": str(tmp_path / f"tmp{i}")},
                         kwargs={"marker": "m"})
             for forked in (False, True)}
     for forked, results in runs.items():
@@ -75,6 +83,7 @@ def test_a_forked_worker_is_what_a_fresh_one_is(tmp_path):
                 "task": {"type": "worker", "index": r.index},
                 "result_file": f"result{r.index}.json",
                 "argv": ["tests.test_zygote:describe"],
+                "tempdir": str(tmp_path / f"tmp{r.index}"),
                 # The fork's parent imported TensorFlow; this module does
                 # not.
                 "tensorflow_imported": forked}

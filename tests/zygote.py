@@ -36,10 +36,15 @@ import tempfile
 import threading
 
 # Set per worker or per attempt by the launcher and `launch`, SLURM's per
-# task, and pytest's per test; read only once the worker runs, if at all.
+# task, the tuner's launch per worker, tests per worker or per test; read
+# only once the worker runs, if at all. KerasTuner is not imported by the
+# zygote; CUDA_VISIBLE_DEVICES is read by the driver as the first op runs;
+# `tempfile` forgets the zygote's TMPDIR in `_become` (absl's test flags
+# keep their default of it, which no test uses).
 _READ_AT_RUN_TIME = ("TF_CONFIG", "KERAS_MGPU_RESULT", "KERAS_MGPU_ATTEMPT",
                      "KERAS_MGPU_JOB_STARTED", "KERAS_MGPU_PREVIOUS_ENDED",
-                     "SLURM_", "PYTEST_CURRENT_TEST")
+                     "KERAS_MGPU_TUNER_IDS", "KERASTUNER_", "SLURM_",
+                     "PYTEST_CURRENT_TEST", "CUDA_VISIBLE_DEVICES", "TMPDIR")
 # Zygotes kept per pytest process, the least recently used closed first:
 # each holds an imported TensorFlow (about 0.7 GB, shared with its forks).
 _KEPT = 2
@@ -141,6 +146,7 @@ def _become(request, zygote, done):
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    tempfile.tempdir = None  # computed again from this worker's TMPDIR
     os.close(done)
 
 
