@@ -315,7 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     launch = sub.add_parser(
         "launch", help="run N workers of a command, restarted when one dies",
-        usage="keras-mgpu launch --workers N [--max-restarts R] [options] "
+        usage="keras-mgpu launch --workers N [--min-workers M] "
+              "[--max-restarts R] [options] "
               "-- COMMAND [ARGS ...]",
         description="Start N local workers of COMMAND, each with its "
                     "TF_CONFIG on free localhost ports and KERAS_MGPU_ATTEMPT "
@@ -329,6 +330,13 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--workers", required=True,
                         type=_positive_int("--workers", MAX_WORKERS),
                         help="worker processes")
+    launch.add_argument("--min-workers", default=None,
+                        type=_positive_int("--min-workers", MAX_WORKERS),
+                        metavar="M",
+                        help="the fewest workers a restart may go on with: "
+                             "a worker that failed in 2 attempts in a row "
+                             "is left out of the next while more than M "
+                             "are left (default: --workers, none left out)")
     launch.add_argument("--max-restarts", default=0,
                         type=_positive_int("--max-restarts", MAX_RESTARTS,
                                            low=0),
@@ -446,6 +454,10 @@ def _check_launch(args: argparse.Namespace) -> None:
         check_program(args.program)
     except OSError as e:
         args.subparser.error(str(e))
+    if args.min_workers is not None and args.min_workers > args.workers:
+        args.subparser.error(
+            f"--min-workers {args.min_workers} is more than --workers "
+            f"{args.workers}: give at most as many as --workers.")
     if (args.hang_timeout is None) != (args.progress_file is None):
         args.subparser.error(
             "--hang-timeout and --progress-file go together: the workers "

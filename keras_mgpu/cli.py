@@ -160,7 +160,8 @@ def run_launch(args: argparse.Namespace) -> int:
     codes = args.restart_exit_codes
     try:
         result = launcher.launch(
-            args.program, args.workers, max_restarts=args.max_restarts,
+            args.program, args.workers, min_workers=args.min_workers,
+            max_restarts=args.max_restarts,
             restart_exit_codes=(launcher.LAUNCH_RESTART_EXIT_CODES
                                 if codes is None else codes),
             backoff=args.backoff, hang_timeout=args.hang_timeout,
@@ -177,8 +178,8 @@ def run_launch(args: argparse.Namespace) -> int:
         print(f"keras-mgpu launch: {e}", file=sys.stderr)
         return EXIT_FINDING_ERROR
     restarts = result.restarts
-    print(f"keras-mgpu launch: all {args.workers} workers finished after "
-          f"{restarts} restart{'' if restarts == 1 else 's'}.",
+    print(f"keras-mgpu launch: all {len(result.results)} workers finished "
+          f"after {restarts} restart{'' if restarts == 1 else 's'}.",
           file=sys.stderr)
     return EXIT_OK
 

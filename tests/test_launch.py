@@ -175,6 +175,80 @@ def test_a_command_that_always_fails_stops_after_max_restarts():
             "code 143") in stderr, stderr
 
 
+# Each worker prints its slot (its own environment, as a device's would be)
+# and the cluster's size, or dies by SIGKILL as it starts where FAILING
+# (JSON: [slot, cluster size, attempt or null for every attempt], ...)
+# says so: one worker at most in each attempt, so that the launcher sees
+# each failure first, however fast the others end.
+SLOT_PROGRAM = """
+import json, os, signal
+slot = int(os.environ["SLOT"])
+attempt = int(os.environ["KERAS_MGPU_ATTEMPT"])
+size = len(json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"])
+for failing, at_size, in_attempt in json.loads(os.environ["FAILING"]):
+    if (failing, at_size) == (slot, size) and in_attempt in (None, attempt):
+        os.kill(os.getpid(), signal.SIGKILL)
+print("slot", slot, "of", size)
+"""
+
+
+def launch_slots(failing, min_workers, max_restarts=3):
+    """3 workers of SLOT_PROGRAM under `launch`: (its result, its report)."""
+    report = io.StringIO()
+    result = launcher.launch(
+        [sys.executable, "-c", SLOT_PROGRAM], 3, min_workers=min_workers,
+        max_restarts=max_restarts, backoff=0, timeout=120, report=report,
+        env=lambda i: {"FAILING": json.dumps(failing), "SLOT": str(i)})
+    return result, report.getvalue()
+
+
+@pytest.mark.parametrize("failing", [1, 2])
+def test_a_worker_that_keeps_failing_is_left_out_down_to_min_workers(
+        failing):
+    result, report = launch_slots([[failing, 3, None]], min_workers=2)
+    died = f"worker {failing} killed by SIGKILL (exit -9)"
+    assert [a.why for a in result.attempts] == [died, died, "finished"]
+    assert [len(a.returncodes) for a in result.attempts] == [3, 3, 2]
+    # The others keep their slot's environment, as ranks 0 and 1 of 2.
+    assert [r.stdout.strip() for r in result.results] == [
+        f"slot {slot} of 2" for slot in range(3) if slot != failing]
+    assert (f"attempt 1 ended: {died}. Restarting all 3 workers in 0 s "
+            "(restart 1 of 3).") in report
+    assert (f"attempt 2 ended: {died}. worker {failing} failed in 2 "
+            f"attempts in a row: restarting without it, on 2 workers "
+            f"(min_workers=2), in 0 s (restart 2 of 3).") in report
+
+
+def test_a_worker_that_failed_once_is_started_again():
+    result, report = launch_slots([[2, 3, 1]], min_workers=1)
+    assert [len(a.returncodes) for a in result.attempts] == [3, 3]
+    assert [r.stdout.strip() for r in result.results] == [
+        f"slot {slot} of 3" for slot in range(3)]
+    assert "without" not in report
+
+
+def test_no_restart_goes_on_with_fewer_than_min_workers():
+    # Worker 2 fails on 3 workers and is left out after its second
+    # failure; worker 1 then fails on 2, and is never left out (2 is the
+    # minimum), until no restart is left.
+    with pytest.raises(launcher.LaunchError) as error:
+        launch_slots([[2, 3, None], [1, 2, None]], min_workers=2,
+                     max_restarts=4)
+    assert [len(a.returncodes) for a in error.value.attempts] == [
+        3, 3, 2, 2, 2]
+    assert [a.failed for a in error.value.attempts] == [
+        (2,), (2,), (1,), (1,), (1,)]
+
+
+def test_min_workers_above_workers_is_refused_by_the_command_line():
+    code, _, stderr = keras_mgpu_launch(
+        "--workers", "2", "--min-workers", "3", "--", sys.executable, "-c",
+        "pass", timeout=60)
+    assert code == 2
+    assert ("--min-workers 3 is more than --workers 2: give at most as many "
+            "as --workers.") in stderr
+
+
 def test_a_failure_of_the_program_itself_is_not_restarted():
     code, _, stderr = keras_mgpu_launch(
         "--workers", "2", "--max-restarts", "5", "--", sys.executable, "-c",
@@ -208,6 +282,10 @@ def test_a_run_without_progress_is_stopped_and_restarted(tmp_path):
     ({"restart_exit_codes": [0]}, "exit codes from 1 to 255"),
     ({"hang_timeout": 5}, "go together"),
     ({"backoff": float("nan")}, "backoff must be a number"),
+    ({"min_workers": 3}, r"min_workers must be an integer from 1 to "
+                         r"num_workers \(2\), got 3"),
+    ({"min_workers": 0}, "min_workers must be an integer from 1"),
+    ({"min_workers": True}, "min_workers must be an integer from 1"),
 ])
 def test_bad_launch_options_are_refused_before_anything_starts(bad, message):
     with pytest.raises(ValueError, match=message):

@@ -17,6 +17,10 @@ from keras_mgpu.cluster.tf_config import GRPC_START_FAILED
 
 # The longest wait between attempts, however many restarts came before.
 MAX_BACKOFF_SECONDS = 60.0
+# Attempts in a row a worker slot must fail in before `launch` goes on
+# without it (where `min_workers` allows): one failure is as likely a
+# neighbour's, or a transient one, as the slot's own.
+SHRINK_AFTER = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +162,48 @@ def gave_up(attempts: Sequence[Attempt], restart_codes,
     plural = "s" if len(attempts) > 1 else ""
     return (f"keras-mgpu launch: gave up after {len(attempts)} attempt"
             f"{plural} ({why}): {each}.")
+
+
+class Membership:
+    """Which of `launch`'s worker slots (its `num_workers` workers, each
+    with its own environment and label) the next attempt starts.
+
+    A slot that failed in `SHRINK_AFTER` attempts in a row is left out of
+    the next one, while at least `min_workers` slots are left; the others
+    keep their environment and label, and take the ranks 0, 1, ... in
+    their order.
+
+    Args:
+        num_workers: The slots, all of which the first attempt starts.
+        min_workers: The fewest slots an attempt may start.
+
+    Example:
+
+    >>> membership = Membership(3, min_workers=2)
+    >>> ended = Attempt(1, "worker 2 exit code 137", True, (-9, -9, 137), (2,))
+    >>> membership.after(ended), membership.after(ended), membership.slots
+    ([], [2], [0, 1])
+    """
+
+    def __init__(self, num_workers: int, min_workers: int):
+        self.slots = list(range(num_workers))
+        self.min_workers = min_workers
+        self._in_a_row = [0] * num_workers
+
+    def after(self, attempt: Attempt) -> list:
+        """Counts the slots that failed in `attempt` (a restartable ending
+        of an attempt of `self.slots`); returns those the next attempt
+        leaves out, now gone from `self.slots`."""
+        failed = {self.slots[rank] for rank in attempt.failed}
+        for slot in self.slots:
+            self._in_a_row[slot] = (self._in_a_row[slot] + 1
+                                    if slot in failed else 0)
+        spare = len(self.slots) - self.min_workers
+        due = [slot for slot in self.slots
+               if self._in_a_row[slot] >= SHRINK_AFTER]
+        left_out = sorted(due[-spare:] if spare > 0 else [])
+        self.slots = [slot for slot in self.slots if slot not in left_out]
+        return left_out
 
 
 class ProgressWatchdog:

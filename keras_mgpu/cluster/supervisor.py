@@ -48,6 +48,7 @@ def launch(
     target: Target,
     num_workers: int = 2,
     *,
+    min_workers: Optional[int] = None,
     max_restarts: int = 0,
     restart_exit_codes: Iterable[int] = LAUNCH_RESTART_EXIT_CODES,
     backoff: float = 1.0,
@@ -81,6 +82,13 @@ def launch(
             a script path or a `"module:function"` string or module-level
             function (see `run_local_workers`).
         num_workers: Defaults to 2. A positive integer.
+        min_workers: Defaults to `None` (as many as `num_workers`). The
+            fewest workers a restart may go on with: a worker that failed
+            in 2 attempts in a row (by a signal or a restart code) is left
+            out of the next attempt while more than `min_workers` are
+            left. The others keep their environment (`env` of their index)
+            and label, and take the ranks 0, 1, ... in `TF_CONFIG`. Every
+            restart counts against `max_restarts`.
         max_restarts: Defaults to 0. How many times to start every worker
             again after a restartable failure.
         restart_exit_codes: Defaults to `LAUNCH_RESTART_EXIT_CODES` (137,
@@ -142,14 +150,15 @@ def launch(
                                     timeout)
     options.check_timeout(grace_period, "grace_period")
     num_workers = options.worker_count(num_workers)
+    min_workers = _check_min_workers(min_workers, num_workers)
     command, labels, extras = options.worker_setup(
         target, num_workers, kwargs, args, env, cwd, labels)
     attempts: list[_attempts.Attempt] = []
     with StopSignals() as stop:
         try:
             return _supervise(
-                attempts, command, num_workers, extras, labels, stop,
-                grace_period,
+                attempts, command, extras, labels, stop, grace_period,
+                _attempts.Membership(num_workers, min_workers),
                 max_restarts=max_restarts, restart_codes=restart_codes,
                 backoff=backoff, hang_timeout=hang_timeout,
                 progress_file=progress_file, cwd=cwd, timeout=timeout,
@@ -163,17 +172,20 @@ def launch(
                               128 + e.signum) from None
 
 
-def _supervise(attempts, command, num_workers, extras, labels, stop,
-               grace_period, *, max_restarts, restart_codes, backoff,
+def _supervise(attempts, command, extras, labels, stop, grace_period,
+               membership, *, max_restarts, restart_codes, backoff,
                hang_timeout, progress_file, cwd, timeout, echo,
                report) -> LaunchResult:
-    """`launch`'s attempts, its arguments checked; each one that ended is
-    added to `attempts`."""
+    """`launch`'s attempts, its arguments checked, each on the slots
+    `membership` gives it; each one that ended is added to `attempts`."""
     deadline = None if timeout is None else time.monotonic() + timeout
     job_started, previous_ended = repr(time.time()), None
     while True:
         number = len(attempts) + 1
-        for extra in extras:
+        slots = membership.slots
+        extras_now = [extras[slot] for slot in slots]
+        labels_now = [labels[slot] for slot in slots]
+        for extra in extras_now:
             extra[ATTEMPT_ENV] = str(number)
             extra[JOB_STARTED_ENV] = job_started
             extra[ATTEMPT_STARTED_ENV] = repr(time.time())
@@ -184,12 +196,12 @@ def _supervise(attempts, command, num_workers, extras, labels, stop,
         left = None if deadline is None else max(
             deadline - time.monotonic(), 1e-3)
         results, first, stopped, held = _run_cluster(
-            command, num_workers, extras, timeout=left, cwd=cwd, echo=echo,
-            labels=labels, watchdog=watchdog, stop=stop,
+            command, len(slots), extras_now, timeout=left, cwd=cwd,
+            echo=echo, labels=labels_now, watchdog=watchdog, stop=stop,
             grace_period=grace_period, held_as=f"attempt{number}")
         previous_ended = repr(time.time())
         attempt = _attempts.ending(number, results, first, stopped,
-                                   restart_codes, labels)
+                                   restart_codes, labels_now)
         attempts.append(attempt)
         if attempt.finished:
             say(echo, *held)
@@ -201,14 +213,38 @@ def _supervise(attempts, command, num_workers, extras, labels, stop,
             say(report, summary)
             say(echo, *held)
             raise LaunchError(
-                summary + "\n" + _describe(results, "failed", labels, first),
+                summary + "\n" + _describe(results, "failed", labels_now,
+                                           first),
                 attempts, results, first, _attempts.exit_code(attempt))
         wait = _attempts.backoff_seconds(backoff, number)
+        left_out = membership.after(attempt)
+        going_on = (f"Restarting all {len(slots)} workers" if not left_out
+                    else _without(left_out, labels, membership))
         say(report, f"keras-mgpu launch: attempt {number} ended: "
-                     f"{attempt.why}. Restarting all {num_workers} workers "
-                     f"in {wait:g} s (restart {number} of {max_restarts}).")
+                     f"{attempt.why}. {going_on} in {wait:g} s (restart "
+                     f"{number} of {max_restarts}).")
         say(echo, *held)
         stop.sleep(wait)
+
+
+def _without(left_out, labels, membership) -> str:
+    """The report's words for a restart that leaves slots out."""
+    names = " and ".join(labels[slot] for slot in left_out)
+    return (f"{names} failed in {_attempts.SHRINK_AFTER} attempts in a "
+            f"row: restarting without {'it' if len(left_out) == 1 else 'them'}"
+            f", on {len(membership.slots)} workers (min_workers="
+            f"{membership.min_workers}),")
+
+
+def _check_min_workers(min_workers, num_workers: int) -> int:
+    if min_workers is None:
+        return num_workers
+    if not is_integer(min_workers) or not 1 <= min_workers <= num_workers:
+        raise ValueError(
+            f"min_workers must be an integer from 1 to num_workers "
+            f"({num_workers}), got {min_workers!r}: the fewest workers a "
+            "restart may go on with.")
+    return int(min_workers)
 
 
 def _check_restarts(max_restarts, restart_exit_codes, backoff, hang_timeout,
