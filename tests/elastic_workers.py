@@ -15,9 +15,10 @@ EPOCHS = 2
 DIES_AFTER = 5
 
 
-def train(backup_dir, failing_slot=None):
-    """Trains `EPOCHS` epochs of `STEPS` batches; returns the weights, the
-    optimizer's iterations and the replica count."""
+def train(backup_dir, failing_slot=None, log_dir=None):
+    """Trains `EPOCHS` epochs of `STEPS` batches, with a `DistributedLogger`
+    in `log_dir` if given; returns the weights, the optimizer's iterations
+    and the replica count."""
     import keras_mgpu
 
     slot = os.environ.get("SLOT")
@@ -53,8 +54,11 @@ def train(backup_dir, failing_slot=None):
             workers.finish_backup_writes()
             os.kill(os.getpid(), signal.SIGKILL)
 
+    logger = [] if log_dir is None else [keras_mgpu.DistributedLogger(
+        log_dir, update_freq=2, console=False)]
     model.fit(dataset, epochs=EPOCHS, verbose=0, shuffle=False, callbacks=[
         BackupAndRestore(backup_dir, save_freq=2),
+        *logger,
         keras.callbacks.LambdaCallback(on_batch_end=on_batch_end),
     ])
     return {

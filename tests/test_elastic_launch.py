@@ -4,6 +4,7 @@ with fewer, and is the same run (real processes on 127.0.0.1)."""
 import io
 
 from keras_mgpu import launcher
+from keras_mgpu.goodput import read_job
 from tests import elastic_workers
 from tests.workers import max_diff
 
@@ -29,12 +30,18 @@ def test_a_run_that_loses_a_worker_for_good_goes_on_as_the_same_run(
         timeout=600, report=report,
         env=lambda i: {**QUIET, "SLOT": str(i)},
         kwargs={"backup_dir": str(tmp_path / "backup"),
-                "failing_slot": "2"})
+                "failing_slot": "2", "log_dir": str(tmp_path / "logs")})
     assert [len(a.returncodes) for a in result.attempts] == [3, 3, 2], (
         report.getvalue())
     assert [a.failed for a in result.attempts[:2]] == [(2,), (2,)]
     assert ("worker 2 failed in 2 attempts in a row: restarting without "
             "it, on 2 workers (min_workers=2)") in report.getvalue()
+    # The logger's records carry the replica count; the goodput report
+    # marks where it changed (attempt 2 of the launch never trained).
+    job = read_job(str(tmp_path / "logs"))
+    assert [a.launch_attempt for a in job.attempts] == [1, 3]
+    assert [a.replicas for a in job.attempts] == [3, 2]
+    assert "from attempt 2: 2 replicas (3 before)" in job.table()
     # From its backup, not from the start.
     assert ("BackupAndRestore: resumed from backup generation"
             in result.results[0].stdout), result.results[0].stdout

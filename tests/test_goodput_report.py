@@ -32,11 +32,11 @@ ORDER = ["productive", "input_wait", "compile", "startup", "restore",
 
 
 def record(kind, time, step=None, seconds=None, input_wait=None,
-           superseded=False, goodput=None):
+           superseded=False, goodput=None, replicas=None):
     values = dict.fromkeys(KEYS, None)
     values.update(kind=kind, time=time, step=step, seconds=seconds,
                   input_wait=input_wait, superseded=superseded,
-                  goodput=goodput)
+                  goodput=goodput, replicas=replicas)
     return values
 
 
@@ -220,6 +220,29 @@ def test_two_attempts_under_launch(tmp_path):
     assert job.wall_seconds == pytest.approx(240.0)
     assert job.goodput == pytest.approx(170.0 / 240.0)
     assert job.warnings == []
+    check_sums(job)
+
+
+def test_an_attempt_on_fewer_replicas_is_a_scale_event(tmp_path):
+    # Attempt 2 of a launch went on with 2 workers of 3.
+    path = write(tmp_path, [
+        record("window", 1100.0, step=50, seconds=80.0, replicas=3,
+               goodput=snapshot(1100.0, 1000.0, 11, launch_attempt=1,
+                                startup=10.0, compile=5.0, productive=80.0,
+                                other=5.0)),
+        record("window", 1230.0, step=120, seconds=90.0, replicas=2,
+               goodput=snapshot(1230.0, 1130.0, 12, launch_attempt=2,
+                                startup=6.0, restore=4.0,
+                                productive=90.0)),
+    ])
+    job = read_job(path)
+    assert [a.replicas for a in job.attempts] == [3, 2]
+    lines = job.table().splitlines()
+    first = next(i for i, line in enumerate(lines)
+                 if line.split()[:2] == ["1", "1"])
+    assert lines[first + 2].split() == [
+        "from", "attempt", "2:", "2", "replicas", "(3", "before)"]
+    assert lines[first + 3].split()[:2] == ["2", "2"]
     check_sums(job)
 
 
@@ -443,7 +466,7 @@ def test_to_json_is_the_dataclass(tmp_path):
                              "gaps", "warnings"]
     assert list(payload["attempts"][0]) == [
         "index", "launch_attempt", "pid", "started", "ended",
-        "wall_seconds", "seconds", "steps"]
+        "wall_seconds", "seconds", "steps", "replicas"]
     assert payload["attempts"][1]["seconds"]["productive"] == 70.0
     assert payload["gaps"] == [{
         "after": 1, "before": 2, "started": 1090.0, "ended": 1100.0,

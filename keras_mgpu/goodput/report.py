@@ -70,6 +70,7 @@ class AttemptGoodput:
     wall_seconds: float
     seconds: dict[str, float]
     steps: Optional[int]  # the largest global step of its records
+    replicas: Optional[int] = None  # its last record's replica count
 
 
 @dataclasses.dataclass
@@ -417,6 +418,13 @@ def _move_redone(seconds: dict, records: list, index: int,
             "redone counts what there was.")
 
 
+def _replicas(records: list) -> Optional[int]:
+    counts = [r.get("replicas") for r in records]
+    found = [c for c in counts if isinstance(c, int) and not isinstance(
+        c, bool)]
+    return found[-1] if found else None
+
+
 def _steps(records: list) -> Optional[int]:
     steps = [r.get("step") for r in records]
     found = [s for s in steps if isinstance(s, int) and not isinstance(
@@ -488,7 +496,8 @@ def _job(log_dir: str, found: list, warnings: list) -> JobGoodput:
                             else None),
             pid=attempt.pid, started=attempt.started, ended=attempt.ended,
             wall_seconds=sum(seconds.values()), seconds=seconds,
-            steps=_steps(attempt.records)))
+            steps=_steps(attempt.records),
+            replicas=_replicas(attempt.records)))
         previous = attempt
     totals = _categories(attempts + gaps)
     wall = sum(totals.values())
@@ -553,10 +562,20 @@ def _table(job: JobGoodput) -> str:
                f"{'wall s':>10} {'productive s':>12} {'redone s':>9} "
                f"{'steps':>7}")
     gaps = {g.before: g for g in job.gaps}
+    replicas = None
     for attempt in job.attempts:
         gap = gaps.get(attempt.index)
         if gap is not None:
             out += _gap_line(gap)
+        if None not in (replicas, attempt.replicas) and (
+                attempt.replicas != replicas):
+            # A scale event: `keras-mgpu launch --min-workers` went on
+            # with fewer workers, or the job was rerun on another count.
+            out += _wrap(f"{'':>7} from attempt {attempt.index}: "
+                         f"{attempt.replicas} replicas ({replicas} before)",
+                         indent=" " * 10)
+        replicas = attempt.replicas if attempt.replicas is not None else (
+            replicas)
         launch = ("-" if attempt.launch_attempt is None
                   else str(attempt.launch_attempt))
         steps = "-" if attempt.steps is None else str(attempt.steps)
