@@ -418,17 +418,20 @@ def _move_redone(seconds: dict, records: list, index: int,
             "redone counts what there was.")
 
 
+def _integers(records: list, key: str) -> list:
+    """The records' integer values of `key`, in their order."""
+    values = [r.get(key) for r in records]
+    return [v for v in values if isinstance(v, int) and not isinstance(
+        v, bool)]
+
+
 def _replicas(records: list) -> Optional[int]:
-    counts = [r.get("replicas") for r in records]
-    found = [c for c in counts if isinstance(c, int) and not isinstance(
-        c, bool)]
+    found = _integers(records, "replicas")
     return found[-1] if found else None
 
 
 def _steps(records: list) -> Optional[int]:
-    steps = [r.get("step") for r in records]
-    found = [s for s in steps if isinstance(s, int) and not isinstance(
-        s, bool)]
+    found = _integers(records, "step")
     return max(found) if found else None
 
 
