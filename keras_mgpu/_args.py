@@ -336,7 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the fewest workers a restart may go on with: "
                              "a worker that failed in 2 attempts in a row "
                              "is left out of the next while more than M "
-                             "are left (default: --workers, none left out)")
+                             "are left; SIGUSR1 to the launcher starts "
+                             "every worker again (default: --workers, none "
+                             "left out)")
     launch.add_argument("--max-restarts", default=0,
                         type=_positive_int("--max-restarts", MAX_RESTARTS,
                                            low=0),

@@ -446,7 +446,7 @@ def test_half_finished_window_survives_save_and_restore(tmp_path, replicas):
     assert max_diff(weights_of(resumed), weights_of(full)) < 1e-6
 
 
-@pytest.mark.parametrize("bad", [0, -2, 2.5, True, "4", None, 2**31, 2**70])
+@pytest.mark.parametrize("bad", [0, -2, 2.5, True, "4", 2**31, 2**70])
 def test_bad_accum_steps(bad):
     with pytest.raises(ValueError, match=f"got {bad!r}") as info:
         GradientAccumulationModel(workers.build_mlp(), accum_steps=bad)

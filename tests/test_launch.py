@@ -216,7 +216,8 @@ def test_a_worker_that_keeps_failing_is_left_out_down_to_min_workers(
             "(restart 1 of 3).") in report
     assert (f"attempt 2 ended: {died}. worker {failing} failed in 2 "
             f"attempts in a row: restarting without it, on 2 workers "
-            f"(min_workers=2), in 0 s (restart 2 of 3).") in report
+            f"(min_workers=2; SIGUSR1 to this launcher, pid {os.getpid()}, "
+            "starts every worker again), in 0 s (restart 2 of 3).") in report
 
 
 def test_a_worker_that_failed_once_is_started_again():
@@ -238,6 +239,65 @@ def test_no_restart_goes_on_with_fewer_than_min_workers():
         3, 3, 2, 2, 2]
     assert [a.failed for a in error.value.attempts] == [
         (2,), (2,), (1,), (1,), (1,)]
+
+
+# Slot 2 dies in attempts 1 and 2. On 2 workers, slot 0 asks its launcher
+# (this process) to grow with SIGUSR1, and both wait for its SIGTERM; on 3,
+# each says where it ran. With ASK_AT_ONCE, slot 0 asks in attempt 1 (all
+# workers running) and ends it.
+GROW_PROGRAM = """
+import json, os, signal, sys
+slot = int(os.environ["SLOT"])
+attempt = int(os.environ["KERAS_MGPU_ATTEMPT"])
+size = len(json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"])
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+if os.environ.get("ASK_AT_ONCE") and attempt == 1:
+    if slot == 0:
+        os.kill(os.getppid(), signal.SIGUSR1)
+        sys.exit(143)
+    signal.pause()
+if slot == 2 and attempt <= 2:
+    os.kill(os.getpid(), signal.SIGKILL)
+if size == 2:
+    if slot == 0:
+        os.kill(os.getppid(), signal.SIGUSR1)
+    signal.pause()
+print("slot", slot, "of", size)
+"""
+
+
+def launch_growing(env, max_restarts):
+    report = io.StringIO()
+    result = launcher.launch(
+        [sys.executable, "-c", GROW_PROGRAM], 3, min_workers=2,
+        max_restarts=max_restarts, backoff=0, grace_period=60, timeout=120,
+        report=report, env=lambda i: {**env, "SLOT": str(i)})
+    return result, report.getvalue()
+
+
+def test_sigusr1_starts_every_worker_again():
+    # Two restarts and the grow, which is not counted against them.
+    result, report = launch_growing({}, max_restarts=2)
+    assert [len(a.returncodes) for a in result.attempts] == [3, 3, 2, 3]
+    assert result.attempts[2].why.startswith("stopped by SIGUSR1 to start "
+                                             "every worker again")
+    assert [r.stdout.strip() for r in result.results] == [
+        f"slot {slot} of 3" for slot in range(3)]
+    assert (f"SIGUSR1 to this launcher, pid {os.getpid()}, starts every "
+            "worker again") in report
+    assert ("attempt 3 ended: stopped by SIGUSR1 to start every worker "
+            "again (a BackupAndRestore with save_on_sigterm saves first). "
+            "Restarting all 3 workers, worker 2 back (not counted against "
+            "max_restarts).") in report
+
+
+def test_sigusr1_while_every_worker_runs_changes_nothing():
+    # Attempt 1 ends as slot 0 asks; slot 2 then fails once, in attempt 2.
+    result, report = launch_growing({"ASK_AT_ONCE": "1"}, max_restarts=3)
+    assert [len(a.returncodes) for a in result.attempts] == [3, 3, 3]
+    assert ("keras-mgpu launch: SIGUSR1: all 3 workers already run; "
+            "nothing to start again.") in report
+    assert "Restarting all 3 workers, " not in report
 
 
 def test_min_workers_above_workers_is_refused_by_the_command_line():

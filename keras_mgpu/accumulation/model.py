@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import inspect
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import keras
 
 from keras_mgpu import backend
 from keras_mgpu import compat
+from keras_mgpu import strategy as strategy_lib
 from keras_mgpu._checks import is_positive_int
+from keras_mgpu.accumulation import _plan
 from keras_mgpu.accumulation.window import (
-    PARTIAL_WINDOW_MODES, _WindowEnd, _WindowMixin)
+    PARTIAL_WINDOW_MODES, _WindowEnd, _WindowMixin, _WrapperCallback)
 
 MODES = ("window", "in_step")
 """The `mode` values of `GradientAccumulationModel`: `"window"` (each dataset
@@ -124,9 +127,10 @@ class GradientAccumulationModel(_WindowMixin,
         model: The Keras model to train (Sequential, Functional or
             subclassed, built or not). Compile the wrapper, not this model.
             It stays reachable as `.inner` for export without the wrapper.
-        accum_steps: Defaults to 4. Micro-batches per optimizer step, an
-            integer from 1 to `MAX_ACCUM_STEPS` (2**31 - 1). 1 behaves like
-            plain `fit`.
+        accum_steps: Defaults to `None`: 4, or with `global_batch_size`
+            planned from it. Micro-batches per optimizer step, an integer
+            from 1 to `MAX_ACCUM_STEPS` (2**31 - 1). 1 behaves like plain
+            `fit`. Leave it out with `global_batch_size`.
         partial_window: Defaults to `"apply"`. What happens to a window that
             the end of an epoch cuts short:
             `"apply"`: apply it, weighted by its real sample count (10
@@ -146,6 +150,26 @@ class GradientAccumulationModel(_WindowMixin,
             `grad_norm` (global norm of the gradient of the last applied
             step, before clipping) and `accum_step` (micro-batches in the
             current window after this batch; 0 right after an update).
+        global_batch_size: Defaults to `None`. The samples of one optimizer
+            step over all replicas, kept whatever the replica count: with
+            `micro_batch_size`, `accum_steps` is planned as
+            `global_batch_size / (micro_batch_size * replicas)` for the
+            replicas of the model's strategy (or distribution), so a run
+            restarted on fewer (or more) workers takes the same optimizer
+            steps on the same samples. A `global_batch_size` that does not
+            divide so is refused, naming the numbers, unless
+            `allow_batch_change`. `BackupAndRestore` then resumes a backup
+            made with the same `global_batch_size` on any replica count.
+        micro_batch_size: Defaults to `None`. With `global_batch_size`
+            (and only with it): the samples of one micro-batch on one
+            replica. Batch the dataset to
+            `keras_mgpu.global_batch_size(micro_batch_size)` in window mode
+            and to `global_batch_size` in in-step mode; `fit` given arrays
+            and no `batch_size` uses that size.
+        allow_batch_change: Defaults to `False`. With `global_batch_size`:
+            where it does not divide, train with the nearest whole number
+            of micro-batches per step instead of refusing, and warn with
+            the batch actually trained.
         **kwargs: Passed to `keras.Model` (e.g. `name`).
 
     Logs: by default `fit` logs exactly what it logs for the wrapped model
@@ -175,18 +199,40 @@ class GradientAccumulationModel(_WindowMixin,
     >>> _ = model.fit(x, y, batch_size=32, epochs=1, verbose=0)
     >>> int(model.optimizer.iterations.numpy())  # 2 big batches of 4 x 8
     2
+
+    The same optimizer step on any replica count, planned from the global
+    batch (here 1 replica: 4 micro-batches of 8 per step):
+
+    >>> inner = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    >>> model = keras_mgpu.GradientAccumulationModel(
+    ...     inner, global_batch_size=32, micro_batch_size=8)
+    >>> model.accum_steps
+    4
+    >>> model.compile(optimizer="sgd", loss="mse")
+    >>> _ = model.fit(x, y, epochs=1, verbose=0)  # batches of 8
+    >>> int(model.optimizer.iterations.numpy())
+    2
     """
 
     def __init__(
         self,
         model: keras.Model,
-        accum_steps: int = 4,
+        accum_steps: Optional[int] = None,
         partial_window: str = "apply",
         log_window: bool = False,
         mode: str = "window",
+        global_batch_size: Optional[int] = None,
+        micro_batch_size: Optional[int] = None,
+        allow_batch_change: bool = False,
         **kwargs: Any,
     ):
         self._check_backend_support()
+        _plan.check_options(accum_steps, global_batch_size,
+                            micro_batch_size, allow_batch_change)
+        if accum_steps is None:
+            # With a global batch: planned below, once the model has its
+            # strategy.
+            accum_steps = _plan.DEFAULT_ACCUM_STEPS
         _validate(model, accum_steps, partial_window, mode)
         if not isinstance(log_window, bool):
             raise ValueError(
@@ -198,9 +244,13 @@ class GradientAccumulationModel(_WindowMixin,
         self.partial_window = partial_window
         self.log_window = log_window
         self.mode = mode
+        self.global_batch_size = global_batch_size
+        self.micro_batch_size = micro_batch_size
+        self.allow_batch_change = allow_batch_change
         self._window_state = None
         model._keras_mgpu_wrapper = weakref.ref(self)
         self._prepare_backend()
+        self._plan_accum_steps()
         if model.built:
             self._create_state()
             self.built = True
@@ -254,8 +304,13 @@ class GradientAccumulationModel(_WindowMixin,
 
     def fit(self, *args, callbacks=None, **kwargs):
         _check_inner_not_compiled(self.inner)
+        if self.global_batch_size is not None:
+            args, kwargs = self._with_planned_batch(args, kwargs)
         if self.mode == "window":
-            callbacks = [_WindowEnd(self)] + list(callbacks or [])
+            callbacks = [_WindowEnd(self), *(callbacks or [])]
+            if self.global_batch_size is not None:
+                # Last: after every callback's restore (BackupAndRestore's).
+                callbacks.append(_ResumedWindow(self))
         return super().fit(*args, callbacks=callbacks, **kwargs)
 
     def get_config(self):
@@ -266,6 +321,13 @@ class GradientAccumulationModel(_WindowMixin,
             "partial_window": self.partial_window,
             "log_window": self.log_window,
             "mode": self.mode,
+            **({} if self.global_batch_size is None else {
+                # Planned again where the model is loaded.
+                "accum_steps": None,
+                "global_batch_size": self.global_batch_size,
+                "micro_batch_size": self.micro_batch_size,
+                "allow_batch_change": self.allow_batch_change,
+            }),
         }
 
     @classmethod
@@ -275,6 +337,68 @@ class GradientAccumulationModel(_WindowMixin,
             config["model"], custom_objects=custom_objects
         )
         return cls(**config)
+
+    # --- The global batch ---------------------------------------------------
+
+    def _replicas(self) -> int:
+        return strategy_lib.num_replicas(strategy_lib.of_model(self))
+
+    def _planned_micro_batch(self) -> int:
+        # Set with global_batch_size: `_plan.check_options` saw to it.
+        assert self.micro_batch_size is not None
+        return self.micro_batch_size
+
+    def _plan_accum_steps(self) -> None:
+        """With a global batch: the micro-batches per step on the replicas
+        of the model's strategy; a new plan compiles a new step."""
+        if self.global_batch_size is None:
+            return
+        accum_steps = _plan.accum_steps_for(
+            self.global_batch_size, self._planned_micro_batch(),
+            self._replicas(), self.allow_batch_change)
+        if accum_steps != self.accum_steps:
+            self.accum_steps = accum_steps
+            self.train_function = None
+
+    def _with_planned_batch(self, args: tuple, kwargs: dict):
+        """`fit`'s arguments with the planned data batch filled in for
+        arrays; refuses data batched otherwise where its batch is known."""
+        self._plan_accum_steps()
+        expected = _plan.data_batch_size(
+            self.mode, self.accum_steps, self._planned_micro_batch(),
+            self._replicas())
+        bound = inspect.signature(keras.Model.fit).bind_partial(
+            self, *args, **kwargs).arguments
+        given = bound.get("batch_size")
+        static = _static_batch_size(bound.get("x"))
+        for what, size in (("batch_size", given), ("the data's batch", static)):
+            if size is not None and size != expected:
+                raise ValueError(
+                    f"{what} is {size}, but this GradientAccumulationModel "
+                    f"takes batches of {expected}: "
+                    + _data_batch_text(self) + " Nothing was "
+                    "trained. Batch the data to "
+                    + ("keras_mgpu.global_batch_size(micro_batch_size)"
+                       if self.mode == "window" else "global_batch_size")
+                    + ", or leave batch_size out for arrays."
+                )
+        if given is None and _is_arrays(bound.get("x")):
+            kwargs = {**kwargs, "batch_size": expected}
+        return args, kwargs
+
+    def _resume_window(self) -> None:
+        """A window restored from a run on another replica count: counts its
+        samples in this run's micro-batches."""
+        micro_steps = self.micro_step
+        if micro_steps == 0:
+            return
+        samples = float(self._sample_count.numpy())
+        now = _plan.micro_steps_of_window(
+            samples, micro_steps,
+            self._planned_micro_batch() * self._replicas())
+        if now != micro_steps:
+            with strategy_lib.scope_of(self):
+                self._micro_step.assign(now)
 
     # --- Training -----------------------------------------------------------
 
@@ -325,6 +449,44 @@ def _validate(model, accum_steps, partial_window, mode) -> None:
             "or rebuild the model to wrap it again."
         )
     _check_inner_not_compiled(model)
+
+
+def _static_batch_size(x) -> Optional[int]:
+    """A dataset's batch where its shape fixes it (`drop_remainder=True`)."""
+    specs = keras.tree.flatten(getattr(x, "element_spec", None))
+    shape = getattr(specs[0], "shape", None) if specs else None
+    if shape is None or not getattr(shape, "rank", None):
+        return None
+    return shape[0]
+
+
+def _is_arrays(x) -> bool:
+    """Whether `fit` batches `x` itself (`batch_size` applies)."""
+    if x is None or hasattr(x, "element_spec") or isinstance(
+            x, keras.utils.PyDataset):
+        return False
+    leaves = keras.tree.flatten(x)
+    return bool(leaves) and all(hasattr(v, "shape") for v in leaves)
+
+
+def _data_batch_text(model) -> str:
+    replicas = model._replicas()
+    where = (f"micro_batch_size={model.micro_batch_size} on {replicas} "
+             f"replica(s)")
+    if model.mode == "window":
+        return f"one micro-batch of {where}."
+    return (f"global_batch_size={model.global_batch_size} as "
+            f"{model.accum_steps} micro-batches of {where}.")
+
+
+class _ResumedWindow(_WrapperCallback):
+    """Recounts a restored window in this run's micro-batches, after every
+    other callback's `on_train_begin` (where backups restore)."""
+
+    def on_train_begin(self, logs=None):
+        wrapper = self._wrapped()
+        assert isinstance(wrapper, GradientAccumulationModel)
+        wrapper._resume_window()
 
 
 def _check_inner_not_compiled(model) -> None:

@@ -176,12 +176,22 @@ class _WindowMixin(_Host):
                 "before wrapping the model, then wrap and compile again."
             )
 
-class _WindowEnd(keras.callbacks.Callback):
-    """Applies, carries or drops the partial window before anything else."""
+class _WrapperCallback(keras.callbacks.Callback):
+    """A callback the wrapper's own `fit` adds, holding it weakly."""
 
     def __init__(self, wrapper: _WindowMixin):
         super().__init__()
         self._wrapper = weakref.ref(wrapper)
+
+    def _wrapped(self) -> _WindowMixin:
+        wrapper = self._wrapper()
+        # Alive: the wrapper's own `fit` runs this callback.
+        assert wrapper is not None
+        return wrapper
+
+
+class _WindowEnd(_WrapperCallback):
+    """Applies, carries or drops the partial window before anything else."""
 
     def on_test_begin(self, logs=None):
         # `fit` runs validation with its own callback list, before
@@ -190,11 +200,5 @@ class _WindowEnd(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         self._wrapped()._finish_epoch()
-
-    def _wrapped(self) -> _WindowMixin:
-        wrapper = self._wrapper()
-        # Alive: the wrapper's own `fit` runs this callback.
-        assert wrapper is not None
-        return wrapper
 
 

@@ -13,6 +13,7 @@ import time
 from typing import Optional, Sequence
 
 from keras_mgpu.cluster.output import WorkerError, WorkerResult, _how
+from keras_mgpu.cluster.signals import GROW_REASON
 from keras_mgpu.cluster.tf_config import GRPC_START_FAILED
 
 # The longest wait between attempts, however many restarts came before.
@@ -146,6 +147,12 @@ def backoff_seconds(backoff: float, restart: int) -> float:
     return min(backoff * 2 ** (restart - 1), MAX_BACKOFF_SECONDS)
 
 
+def restarts_made(attempts: Sequence[Attempt]) -> int:
+    """The restarts that count against `max_restarts`: every start after
+    the first, except those a SIGUSR1 asked for."""
+    return sum(1 for a in attempts[:-1] if a.why != GROW_REASON)
+
+
 def gave_up(attempts: Sequence[Attempt], restart_codes,
             max_restarts: int) -> str:
     """The line `launch` ends with when it stops restarting: how many
@@ -156,8 +163,8 @@ def gave_up(attempts: Sequence[Attempt], restart_codes,
                "one that exits with "
                f"{', '.join(map(str, sorted(restart_codes)))}")
     else:
-        why = (f"no restarts left: {len(attempts) - 1} of max_restarts="
-               f"{max_restarts} made")
+        why = (f"no restarts left: {restarts_made(attempts)} of "
+               f"max_restarts={max_restarts} made")
     each = "; ".join(f"attempt {a.number}: {a.why}" for a in attempts)
     plural = "s" if len(attempts) > 1 else ""
     return (f"keras-mgpu launch: gave up after {len(attempts)} attempt"
@@ -177,12 +184,16 @@ class Membership:
         num_workers: The slots, all of which the first attempt starts.
         min_workers: The fewest slots an attempt may start.
 
+    `grow()` starts every slot again (`launch` does on SIGUSR1).
+
     Example:
 
     >>> membership = Membership(3, min_workers=2)
     >>> ended = Attempt(1, "worker 2 exit code 137", True, (-9, -9, 137), (2,))
     >>> membership.after(ended), membership.after(ended), membership.slots
     ([], [2], [0, 1])
+    >>> membership.grow(), membership.slots
+    ([2], [0, 1, 2])
     """
 
     def __init__(self, num_workers: int, min_workers: int):
@@ -204,6 +215,15 @@ class Membership:
         left_out = sorted(due[-spare:] if spare > 0 else [])
         self.slots = [slot for slot in self.slots if slot not in left_out]
         return left_out
+
+    def grow(self) -> list:
+        """Starts every slot again, their failures forgotten; returns the
+        slots that come back."""
+        every = range(len(self._in_a_row))
+        back = [slot for slot in every if slot not in self.slots]
+        self.slots = list(every)
+        self._in_a_row = [0] * len(self._in_a_row)
+        return back
 
 
 class ProgressWatchdog:

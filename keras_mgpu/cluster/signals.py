@@ -12,6 +12,11 @@ from typing import Optional
 # What a scheduler (SLURM's `--signal`, Kubernetes), a closed terminal and
 # Ctrl-C send a job.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+# Asks a launch that went on with fewer workers to start every one again.
+GROW_SIGNAL = signal.SIGUSR1
+# Why an attempt ended that was stopped for it.
+GROW_REASON = ("stopped by SIGUSR1 to start every worker again (a "
+               "BackupAndRestore with save_on_sigterm saves first)")
 
 
 class Stopped(Exception):
@@ -26,18 +31,21 @@ class StopSignals:
     """While entered (on the main thread), SIGTERM, SIGHUP and SIGINT
     become a request to stop the workers, not the launcher's sudden end
     (which left them running, in their own sessions). A second signal
-    asks to stop at once. Elsewhere than on the main thread, where Python
-    cannot handle signals, nothing changes."""
+    asks to stop at once. With `grow`, `GROW_SIGNAL` (SIGUSR1) sets
+    `grow_requested` instead of ending the launcher. Elsewhere than on the
+    main thread, where Python cannot handle signals, nothing changes."""
 
-    def __init__(self):
+    def __init__(self, grow: bool = False):
         self.signum: Optional[int] = None
         self.at_once = False
+        self.grow_requested = False
+        self._signals = STOP_SIGNALS + ((GROW_SIGNAL,) if grow else ())
         self._event = threading.Event()
-        self._previous = {}
+        self._previous: dict = {}
 
     def __enter__(self) -> "StopSignals":
         if threading.current_thread() is threading.main_thread():
-            for signum in STOP_SIGNALS:
+            for signum in self._signals:
                 self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
@@ -46,6 +54,9 @@ class StopSignals:
             signal.signal(signum, handler)
 
     def _handle(self, signum, frame) -> None:
+        if signum == GROW_SIGNAL:
+            self.grow_requested = True
+            return
         if self.signum is not None:
             self.at_once = True
         self.signum = signum

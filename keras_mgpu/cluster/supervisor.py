@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 import time
 from typing import (
     Any,
@@ -26,6 +27,7 @@ from keras_mgpu.cluster.echo import say
 from keras_mgpu.cluster.exit_codes import LAUNCH_RESTART_EXIT_CODES
 from keras_mgpu.cluster.options import Target
 from keras_mgpu.cluster.output import _describe
+from keras_mgpu.cluster.signals import GROW_REASON
 from keras_mgpu.cluster.signals import Stopped
 from keras_mgpu.cluster.signals import StopSignals
 from keras_mgpu.cluster.signals import stopped_message
@@ -88,7 +90,10 @@ def launch(
             out of the next attempt while more than `min_workers` are
             left. The others keep their environment (`env` of their index)
             and label, and take the ranks 0, 1, ... in `TF_CONFIG`. Every
-            restart counts against `max_restarts`.
+            restart counts against `max_restarts`. While some are left
+            out, a SIGUSR1 to the launcher stops the workers with SIGTERM
+            (a `BackupAndRestore(save_on_sigterm=True)` saves) and starts
+            every one again, not counted as a restart.
         max_restarts: Defaults to 0. How many times to start every worker
             again after a restartable failure.
         restart_exit_codes: Defaults to `LAUNCH_RESTART_EXIT_CODES` (137,
@@ -154,7 +159,7 @@ def launch(
     command, labels, extras = options.worker_setup(
         target, num_workers, kwargs, args, env, cwd, labels)
     attempts: list[_attempts.Attempt] = []
-    with StopSignals() as stop:
+    with StopSignals(grow=min_workers < num_workers) as stop:
         try:
             return _supervise(
                 attempts, command, extras, labels, stop, grace_period,
@@ -183,6 +188,11 @@ def _supervise(attempts, command, extras, labels, stop, grace_period,
     while True:
         number = len(attempts) + 1
         slots = membership.slots
+        shrunk = len(slots) < len(labels)
+        if stop.grow_requested and not shrunk:
+            stop.grow_requested = False
+            say(report, f"keras-mgpu launch: SIGUSR1: all {len(slots)} "
+                         "workers already run; nothing to start again.")
         extras_now = [extras[slot] for slot in slots]
         labels_now = [labels[slot] for slot in slots]
         for extra in extras_now:
@@ -198,7 +208,8 @@ def _supervise(attempts, command, extras, labels, stop, grace_period,
         results, first, stopped, held = _run_cluster(
             command, len(slots), extras_now, timeout=left, cwd=cwd,
             echo=echo, labels=labels_now, watchdog=watchdog, stop=stop,
-            grace_period=grace_period, held_as=f"attempt{number}")
+            grow=shrunk, grace_period=grace_period,
+            held_as=f"attempt{number}")
         previous_ended = repr(time.time())
         attempt = _attempts.ending(number, results, first, stopped,
                                    restart_codes, labels_now)
@@ -206,7 +217,17 @@ def _supervise(attempts, command, extras, labels, stop, grace_period,
         if attempt.finished:
             say(echo, *held)
             return LaunchResult(tuple(attempts), results)
-        if not attempt.restartable or number > max_restarts:
+        if attempt.why == GROW_REASON:
+            stop.grow_requested = False
+            back = " and ".join(labels[slot] for slot in membership.grow())
+            say(report, f"keras-mgpu launch: attempt {number} ended: "
+                         f"{attempt.why}. Restarting all {len(labels)} "
+                         f"workers, {back} back (not counted against "
+                         "max_restarts).")
+            say(echo, *held)
+            continue
+        restart = _attempts.restarts_made(attempts) + 1
+        if not attempt.restartable or restart > max_restarts:
             summary = _attempts.gave_up(attempts, restart_codes,
                                         max_restarts)
             # The failure first, then what the others printed after it.
@@ -216,13 +237,13 @@ def _supervise(attempts, command, extras, labels, stop, grace_period,
                 summary + "\n" + _describe(results, "failed", labels_now,
                                            first),
                 attempts, results, first, _attempts.exit_code(attempt))
-        wait = _attempts.backoff_seconds(backoff, number)
+        wait = _attempts.backoff_seconds(backoff, restart)
         left_out = membership.after(attempt)
         going_on = (f"Restarting all {len(slots)} workers" if not left_out
                     else _without(left_out, labels, membership))
         say(report, f"keras-mgpu launch: attempt {number} ended: "
                      f"{attempt.why}. {going_on} in {wait:g} s (restart "
-                     f"{number} of {max_restarts}).")
+                     f"{restart} of {max_restarts}).")
         say(echo, *held)
         stop.sleep(wait)
 
@@ -233,7 +254,8 @@ def _without(left_out, labels, membership) -> str:
     return (f"{names} failed in {_attempts.SHRINK_AFTER} attempts in a "
             f"row: restarting without {'it' if len(left_out) == 1 else 'them'}"
             f", on {len(membership.slots)} workers (min_workers="
-            f"{membership.min_workers}),")
+            f"{membership.min_workers}; SIGUSR1 to this launcher, pid "
+            f"{os.getpid()}, starts every worker again),")
 
 
 def _check_min_workers(min_workers, num_workers: int) -> int:

@@ -38,6 +38,7 @@ from keras_mgpu.cluster.output import _Marker
 from keras_mgpu.cluster.processes import kill_all
 from keras_mgpu.cluster.processes import stop_gracefully
 from keras_mgpu.cluster.processes import tied_to_launcher
+from keras_mgpu.cluster.signals import GROW_REASON
 from keras_mgpu.cluster.tf_config import make_tf_config
 from keras_mgpu._args import DEFAULT_GRACE_PERIOD
 
@@ -156,7 +157,7 @@ def _run_cluster(command: list, num_workers: int, extras: list, *,
                  timeout: Optional[float], cwd=None, marker=None,
                  to_kill=(), kill_signal=signal.SIGKILL, echo=None,
                  labels=(), watchdog: Optional[Callable[[], Optional[str]]]
-                 = None, stop=None,
+                 = None, stop=None, grow: bool = False,
                  grace_period: float = DEFAULT_GRACE_PERIOD,
                  held_as: str = "run") -> tuple:
     """Starts `num_workers` processes of `command` on fresh ports and waits
@@ -167,7 +168,9 @@ def _run_cluster(command: list, num_workers: int, extras: list, *,
     while they run, returns why to stop them all (a hang), or None. Raises
     `WorkerError` on the timeout, with every worker killed, and
     `signals.Stopped` when `stop` (a `signals.StopSignals`) is asked to,
-    the workers given SIGTERM and `grace_period` seconds first."""
+    the workers given SIGTERM and `grace_period` seconds first. With
+    `grow`, a `stop.grow_requested` stops them the same way, and the
+    reason returned is `GROW_REASON`."""
     addresses = [f"localhost:{p}" for p in free_ports(num_workers)]
     procs: list[subprocess.Popen] = []
     files: list[tuple[TextIO, TextIO]] = []
@@ -190,7 +193,7 @@ def _run_cluster(command: list, num_workers: int, extras: list, *,
             procs.append(_start_worker(command, child_env, cwd, out, err))
         killed, stopped, first, stop_reason = _wait(
             procs, files, timeout, marker, to_kill, kill_signal,
-            echoer, labels, watchdog, stop, grace_period)
+            echoer, labels, watchdog, stop, grace_period, grow)
         results = _collect(procs, files, workdir, killed, stopped,
                            addresses)
     except BaseException:
@@ -228,7 +231,7 @@ def _end(procs, files, workdir, echoer) -> None:
 
 def _wait(procs, files, timeout, marker, to_kill, kill_signal, echo: Echo,
           labels, watchdog=None, stop=None,
-          grace_period=DEFAULT_GRACE_PERIOD):
+          grace_period=DEFAULT_GRACE_PERIOD, grow=False):
     """Waits for the workers; returns the indices killed on request, those
     stopped after a failure (or by the watchdog), those whose failure was
     seen first, and why the watchdog stopped them (or None)."""
@@ -239,6 +242,11 @@ def _wait(procs, files, timeout, marker, to_kill, kill_signal, echo: Echo,
         if stop is not None and stop.signum is not None:
             stop_gracefully(procs, grace_period, stop, echo.copy)
             stop.check()
+        if grow and stop.grow_requested:
+            running = {i for i, p in enumerate(procs) if p.poll() is None}
+            stop_gracefully(procs, grace_period, stop, echo.copy)
+            stop.check()
+            return killed, running - killed, [], GROW_REASON
         codes = [p.poll() for p in procs]
         first = [i for i, c in enumerate(codes)
                  if c not in (None, 0) and i not in killed]

@@ -140,13 +140,16 @@ class ResumeSkipping(_Host):
                     "backup_dir."
                 )
             skip.batches = int(samples // batch)
-            warnings.warn(
-                f"{where}: skipping {skip.batches} batches, the same "
-                f"{samples:g} samples. From here on each optimizer step "
-                f"takes {batch} samples, not {samples / saved_batches:g} as "
-                "in the saved run.",
-                stacklevel=2,
-            )
+            # A GradientAccumulationModel with a global batch keeps its
+            # optimizer step's batch: only the micro-batches changed.
+            if getattr(self.model, "global_batch_size", None) is None:
+                warnings.warn(
+                    f"{where}: skipping {skip.batches} batches, the same "
+                    f"{samples:g} samples. From here on each optimizer "
+                    f"step takes {batch} samples, not "
+                    f"{samples / saved_batches:g} as in the saved run.",
+                    stacklevel=2,
+                )
         epoch = self._epoch_steps
         if epoch:
             # Keras reads at most this many: calls of steps_per_execution.

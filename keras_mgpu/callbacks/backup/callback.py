@@ -117,7 +117,8 @@ class BackupAndRestore(RuntimeCallback):
 
     Each generation records what decides the math of a step: the optimizer
     (class and hyperparameters, not its learning-rate variable, which is
-    restored), `accum_steps` and the random layers. A resume that changes
+    restored), `accum_steps` (or a `GradientAccumulationModel`'s
+    `global_batch_size`) and the random layers. A resume that changes
     them is refused with the old and new values. A resume mid-epoch skips
     the samples the interrupted epoch trained on: under another global
     batch size that divides them it is exact (with a warning), otherwise
@@ -132,6 +133,11 @@ class BackupAndRestore(RuntimeCallback):
     `LossScaleMonitor` share: any callback order works. A run saved on one
     number of replicas may resume on another with the same global batch
     (the accumulators of a `GradientAccumulationModel` hold global sums).
+    With its `global_batch_size`, the micro-batches per step are planned
+    again for the new count, and a save due inside a window (periodic or
+    on SIGTERM) waits for the window's end (at most `accum_steps - 1`
+    batches), so the run resumes on any count whose micro-batches divide
+    the global batch.
 
     Under `MultiWorkerMirroredStrategy` every worker takes part in each save
     (reading replica-local variables is a collective), only the chief writes
@@ -424,6 +430,8 @@ class BackupAndRestore(RuntimeCallback):
         due = [schedule.due_after_batch(runtime.global_step,
                                         runtime.last_call_of_epoch)
                for schedule in self._schedules()]
+        if _window_open(self.model):
+            return
         if any(due):
             self._save(epoch, done, durable=due[0])
         if self.save_on_sigterm and self._preemption.agreed(
@@ -630,3 +638,12 @@ class BackupAndRestore(RuntimeCallback):
                                files)
         assert self._local.store is not None  # local.writes
         return writer.write_generation(self._local.store, files)
+
+
+def _window_open(model) -> bool:
+    """Whether a save due now (or on SIGTERM) waits for the accumulation
+    window's end: with a global batch, a window saved whole resumes on any
+    replica count, one saved half-way only where the new micro-batches tile
+    it. Every worker has the same window, so they wait alike."""
+    return getattr(model, "global_batch_size", None) is not None and (
+        model.micro_step > 0)

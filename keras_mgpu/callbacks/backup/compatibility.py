@@ -68,9 +68,11 @@ def fingerprint(model) -> str:
 
 def training_config(model, params) -> dict:
     """What decides the math of a step, besides the weights: the optimizer
-    (class and hyperparameters) and the accumulation window. The batch size
-    is checked by the runtime as it skips (by samples); replicas may change
-    (the accumulators hold global sums); `epochs` is only recorded."""
+    (class and hyperparameters) and the accumulation window: its
+    `accum_steps`, or the global batch it is planned from (the plan may
+    differ on another replica count). The batch size is checked by the
+    runtime as it skips (by samples); replicas may change (the accumulators
+    hold global sums); `epochs` is only recorded."""
     optimizer = getattr(model, "optimizer", None)
     return {
         "optimizer": None if optimizer is None else {
@@ -78,6 +80,7 @@ def training_config(model, params) -> dict:
             "config": _hyperparameters(optimizer.get_config()),
         },
         "accum_steps": getattr(model, "accum_steps", None),
+        "global_batch_size": getattr(model, "global_batch_size", None),
         "epochs": (params or {}).get("epochs"),
     }
 
@@ -100,9 +103,12 @@ def _hyperparameters(config):
 
 def _check_same_training(saved: dict, now: dict, where: str) -> None:
     changes = []
-    if saved["accum_steps"] != now["accum_steps"]:
-        changes.append(f"accum_steps {saved['accum_steps']} -> "
-                       f"{now['accum_steps']}")
+    # Written before global batches were saved: None, as it was then.
+    key = "global_batch_size" if (
+        saved.get("global_batch_size") or now["global_batch_size"]) else (
+        "accum_steps")
+    if saved.get(key) != now[key]:
+        changes.append(f"{key} {saved.get(key)} -> {now[key]}")
     old, new = saved["optimizer"], now["optimizer"]
     if (old is None) != (new is None) or (
             old is not None and old["class"] != new["class"]):
