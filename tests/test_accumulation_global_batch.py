@@ -12,6 +12,7 @@ from keras_mgpu import GradientAccumulationModel
 from keras_mgpu.callbacks import BackupAndRestore
 from tests import workers
 from tests.conftest import mirrored
+from tests.test_distributed_logger import CrashAfter
 from tests.workers import max_diff
 
 
@@ -110,16 +111,6 @@ def test_data_batched_otherwise_is_refused(mode, data, message):
     assert int(model.optimizer.iterations.numpy()) == 0
 
 
-class _CrashAfter(keras.callbacks.Callback):
-    def __init__(self, batches):
-        super().__init__()
-        self.batches = batches
-
-    def on_train_batch_end(self, batch, logs=None):
-        if batch + 1 == self.batches:
-            raise RuntimeError("crash")
-
-
 def test_a_backup_on_3_replicas_resumes_on_2_as_the_same_run(tmp_path):
     """Micro-batches of 2 per replica, 12 per step: 2 micro-batches of 6 on
     3 replicas, 3 of 4 on 2. A save due after batch 3 (mid-window) is made
@@ -131,7 +122,7 @@ def test_a_backup_on_3_replicas_resumes_on_2_as_the_same_run(tmp_path):
     first = wrapper(3, **kwargs)
     with pytest.raises(RuntimeError, match="crash"):
         first.fit(x, y, epochs=2, verbose=0, shuffle=False, callbacks=[
-            BackupAndRestore(backup_dir, save_freq=3), _CrashAfter(5)])
+            BackupAndRestore(backup_dir, save_freq=3), CrashAfter(5)])
     workers.finish_backup_writes()
     resumed = wrapper(2, **kwargs)
     with warnings.catch_warnings(record=True) as caught:
@@ -157,7 +148,7 @@ def test_a_backup_of_another_global_batch_is_refused(tmp_path):
     with pytest.raises(RuntimeError, match="crash"):
         wrapper(2, global_batch_size=8, micro_batch_size=2).fit(
             x, y, epochs=1, verbose=0, shuffle=False, callbacks=[
-                BackupAndRestore(backup_dir, save_freq=2), _CrashAfter(2)])
+                BackupAndRestore(backup_dir, save_freq=2), CrashAfter(2)])
     workers.finish_backup_writes()
     with pytest.raises(ValueError, match="global_batch_size 8 -> 16"):
         wrapper(2, global_batch_size=16, micro_batch_size=2).fit(

@@ -219,7 +219,7 @@ def _supervise(attempts, command, extras, labels, stop, grace_period,
             return LaunchResult(tuple(attempts), results)
         if attempt.why == GROW_REASON:
             stop.grow_requested = False
-            back = " and ".join(labels[slot] for slot in membership.grow())
+            back = _named(membership.grow(), labels)
             say(report, f"keras-mgpu launch: attempt {number} ended: "
                          f"{attempt.why}. Restarting all {len(labels)} "
                          f"workers, {back} back (not counted against "
@@ -250,12 +250,15 @@ def _supervise(attempts, command, extras, labels, stop, grace_period,
 
 def _without(left_out, labels, membership) -> str:
     """The report's words for a restart that leaves slots out."""
-    names = " and ".join(labels[slot] for slot in left_out)
-    return (f"{names} failed in {_attempts.SHRINK_AFTER} attempts in a "
+    return (f"{_named(left_out, labels)} failed in {_attempts.SHRINK_AFTER} attempts in a "
             f"row: restarting without {'it' if len(left_out) == 1 else 'them'}"
             f", on {len(membership.slots)} workers (min_workers="
             f"{membership.min_workers}; SIGUSR1 to this launcher, pid "
             f"{os.getpid()}, starts every worker again),")
+
+
+def _named(slots, labels) -> str:
+    return " and ".join(labels[slot] for slot in slots)
 
 
 def _check_min_workers(min_workers, num_workers: int) -> int:

@@ -430,7 +430,8 @@ class BackupAndRestore(RuntimeCallback):
         due = [schedule.due_after_batch(runtime.global_step,
                                         runtime.last_call_of_epoch)
                for schedule in self._schedules()]
-        if _window_open(self.model):
+        # Read (a host read of the window) only where a save could follow.
+        if (any(due) or self.save_on_sigterm) and _window_open(self.model):
             return
         if any(due):
             self._save(epoch, done, durable=due[0])
