@@ -69,14 +69,17 @@ def merge(batches):
     return [np.concatenate(parts) for parts in zip(*batches)]
 
 
-def on_replicas(names, counts, everywhere, label="{name}-{replicas}"):
-    """`(name, replicas)` parameters: every name on 2 replicas, `everywhere`
-    on each count, the other pairs marked `exhaustive` (`make test-all`):
-    on 1 or 4 replicas the internals are the same for each name."""
+def on_replicas(names, counts, everywhere, label="{name}-{replicas}",
+                keep=None):
+    """`(name, replicas)` parameters: every name of `keep` (default all) on
+    2 replicas, `everywhere` on each count, the other pairs marked
+    `exhaustive` (`make test-all`): on 1 or 4 replicas the internals are
+    the same for each name."""
+    keep = names if keep is None else keep
     return [pytest.param(name, replicas,
                          id=label.format(name=name, replicas=replicas),
-                         marks=() if replicas == 2 or name == everywhere
-                         else pytest.mark.exhaustive)
+                         marks=() if (replicas == 2 and name in keep)
+                         or name == everywhere else pytest.mark.exhaustive)
             for name in sorted(names) for replicas in counts]
 
 

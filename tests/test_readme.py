@@ -74,15 +74,13 @@ def assert_no_tensorflow_log_line(output):
     assert not lines, f"TensorFlow log lines {lines}:\n{output[-4000:]}"
 
 
-# Each snippet as users run it; with the level exported as well, the first
-# (the rest with `make test-all`: quiet_tensorflow() hides the same lines
-# whatever follows it).
+# Each snippet as users run it; with the level exported as well, `make
+# test-all` (quiet_tensorflow() hides the same lines whatever follows it;
+# test_the_telemetry_snippet_runs_where_... runs one so).
 @pytest.mark.parametrize("code, level", [
     pytest.param(code, level, id=f"{snippet_id(code)}-{name}",
-                 marks=() if level is None or i == 0
-                 else pytest.mark.exhaustive)
-    for i, code in enumerate(blocks("python"))
-    for name, level in LEVELS.items()])
+                 marks=() if level is None else pytest.mark.exhaustive)
+    for code in blocks("python") for name, level in LEVELS.items()])
 def test_python_snippet_runs_as_pasted(code, level, tmp_path):
     env = quiet_env(level)
     if "keras.distribution" in code:

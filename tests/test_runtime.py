@@ -137,12 +137,14 @@ def check_records(records, full_records, saved_steps):
 
 
 @pytest.mark.parametrize("strategy, accumulate", [
-    # One device plain, mirrored accumulated, and both under two workers
-    # (one device accumulated: tests/test_backup_and_restore.py's
+    # One device plain and two workers accumulated (one device accumulated:
+    # tests/test_backup_and_restore.py's
     # test_sigkill_at_several_steps_resumes_exactly).
-    # Two workers plain: `make test-all` (their resume is the accumulated
-    # one's, without the window).
-    ("default", False), ("mirrored", True),
+    # Two workers plain (their resume is the accumulated one's, without the
+    # window) and one worker's two replicas accumulated (two workers' resume
+    # on one replica each): `make test-all`.
+    ("default", False),
+    pytest.param("mirrored", True, marks=pytest.mark.exhaustive),
     pytest.param("multi_worker", False, marks=pytest.mark.exhaustive),
     ("multi_worker", True),
 ], ids=["default-plain", "mirrored-accumulated", "multi_worker-plain",

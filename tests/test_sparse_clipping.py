@@ -123,8 +123,12 @@ def plain_fit(strategy, name, **compile_kwargs):
     return model
 
 
+# Each kind of clipping with one optimizer of each on 2 replicas, and Adam
+# unclipped (the rest: `make test-all`).
 @pytest.mark.parametrize("name, replicas", on_replicas(
-    OPTIMIZERS, (1, 2), "adam_global_clipnorm", "{name}-{replicas}replicas"))
+    OPTIMIZERS, (1, 2), "adam_global_clipnorm", "{name}-{replicas}replicas",
+    keep=("adam", "adam_clipnorm", "sgd_clipvalue", "sgd_global_clipnorm",
+          "adam_global_clipnorm")))
 def test_fit_clips_the_sparse_gradient_as_the_dense_one(name, replicas):
     reference = dense_reference(name)
     start = weights_of(build_gpt2())

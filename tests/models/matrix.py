@@ -39,6 +39,13 @@ def model_params(default=CI_MODELS):
 
 MODEL_PARAMS = model_params()
 LIFECYCLE_PARAMS = model_params(CI_LIFECYCLE_MODELS)
+# `(name, mode)` for accumulation: window mode as `MODEL_PARAMS`, in-step
+# mode as the life cycle's (the convnet's in-step run takes the loop its
+# window run and the transformer's in-step run take: `make test-all`).
+MODE_PARAMS = [
+    pytest.param(p.values[0], mode, marks=p.marks, id=f"{p.values[0]}-{mode}")
+    for window, in_step in zip(MODEL_PARAMS, LIFECYCLE_PARAMS)
+    for mode, p in (("window", window), ("in_step", in_step))]
 
 
 def record(model, check, **measured):

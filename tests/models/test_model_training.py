@@ -18,15 +18,14 @@ from keras_mgpu import GradientAccumulationModel, mixed_precision
 from keras_mgpu.layers import FP32OutputHead
 from tests.models.catalogue import MODELS
 from tests.models.matrix import (
-    ACCUM, BACKEND, MICRO, MODEL_PARAMS, SAMPLES, crossentropy, fit,
+    ACCUM, BACKEND, MICRO, MODE_PARAMS, MODEL_PARAMS, SAMPLES, crossentropy, fit,
     max_diff, record, reference_order, subset)
 
 
 # --- accumulation ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", ["window", "in_step"])
-@pytest.mark.parametrize("name", MODEL_PARAMS)
+@pytest.mark.parametrize("name, mode", MODE_PARAMS)
 def test_accumulation_meets_the_reference(two_replicas, float64, name, mode):
     """Without BatchNormalization: the big-batch step on one device.
     With it, plain `fit` at the micro-batch size with its updates summed
