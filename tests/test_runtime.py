@@ -141,8 +141,8 @@ def check_records(records, full_records, saved_steps):
     # tests/test_backup_and_restore.py's
     # test_sigkill_at_several_steps_resumes_exactly).
     # Two workers plain (their resume is the accumulated one's, without the
-    # window) and one worker's two replicas accumulated (two workers' resume
-    # on one replica each): `make test-all`.
+    # window) and one process's two replicas accumulated (the two workers'
+    # resume, in one process): `make test-all`.
     ("default", False),
     pytest.param("mirrored", True, marks=pytest.mark.exhaustive),
     pytest.param("multi_worker", False, marks=pytest.mark.exhaustive),

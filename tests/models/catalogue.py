@@ -152,7 +152,8 @@ MODELS = {entry.name: entry for entry in _entries()}
 CI_MODELS = {"tensorflow": ("gpt2", "mobilenetv3small"), "jax": ("gpt2",)}
 # Of those, the ones whose run's life (test_model_lifecycle.py: the kill and
 # resume, saving and exporting, Keras's accumulation under every callback)
-# and in-step accumulation `make test` checks: the transformer's. The convnet's costs more than the
-# rest of the matrix there, on code paths the transformer's take too;
-# `make test-all` (pytest's `exhaustive` marker) runs it.
+# and in-step accumulation `make test` checks: the transformer's. The
+# convnet's costs more than the rest of the matrix there, on code paths the
+# transformer's take too; `make test-all` (pytest's `exhaustive` marker)
+# runs it.
 CI_LIFECYCLE_MODELS = {"tensorflow": ("gpt2",), "jax": ("gpt2",)}
