@@ -10,11 +10,31 @@ is collected only with `KERAS_BACKEND=jax` (with 2 forced host devices:
 `XLA_FLAGS=--xla_force_host_platform_device_count=2`).
 """
 
+import atexit
 import os
+import shutil
 import signal
+import tempfile
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def _remove_jax_cache(path, owner):
+    if os.getpid() == owner:  # not in a fork of this process
+        shutil.rmtree(path, ignore_errors=True)
+
+
+# JAX's persistent compilation cache for the run, before JAX is imported:
+# pytest-xdist's workers and every child process inherit it, so a program
+# one test or process compiled, the next loads. The JAX backend's tests
+# compile the same steps in a test and in its children again and again (a
+# fifth of their CPU time). A cache set outside is used as it is.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _jax_cache = tempfile.mkdtemp(prefix="keras-mgpu-jax-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _jax_cache
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+    atexit.register(_remove_jax_cache, _jax_cache, os.getpid())
 
 import keras  # noqa: E402
 import pytest  # noqa: E402

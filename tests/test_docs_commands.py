@@ -25,6 +25,7 @@ import time
 import pytest
 
 from tests.conftest import allow_in_children
+from tests.test_cli import check_bench_files
 from tests.test_launch import free_slurm_job
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -166,6 +167,9 @@ def test_command_runs_as_pasted(doc, command, tmp_path):
         if key in command:
             for text in texts:
                 assert text in output, (text, output[-5000:])
+    if "keras-mgpu bench " in command:
+        check_bench_files(root / "bench.json", root / "bench.png",
+                          proc.stdout)
 
 
 # --- The SLURM batch script ---------------------------------------------

@@ -207,12 +207,14 @@ def test_every_example_has_a_ctrl_c_test():
     assert names == set(CTRL_C) | {"demo.py"}  # the demo: its fixture
 
 
-# Those that resume, the multi-worker parent and one that does not; the
-# other examples stop through the same `examples/_interrupt.py` (`make
-# test-all`).
+# A search that resumes, a training script that resumes (backup.py resumes
+# through the same BackupAndRestore and `examples/_interrupt.py`), the
+# multi-worker parent and one that does not; the other examples stop
+# through the same `examples/_interrupt.py` (`make test-all`).
 @pytest.mark.parametrize("name", [
-    pytest.param(name, marks=() if CTRL_C[name][2] or name in (
-        "accumulation.py", "multi_worker.py") else pytest.mark.exhaustive)
+    pytest.param(name, marks=() if name in (
+        "tune.py", "train.py", "accumulation.py", "multi_worker.py")
+        else pytest.mark.exhaustive)
     for name in CTRL_C])
 def test_ctrl_c_ends_with_one_line_and_a_rerun_resumes(name, tmp_path):
     args, marker, resumes = CTRL_C[name]
