@@ -163,7 +163,10 @@ def test_a_worker_that_never_starts_is_named_after_the_startup_timeout():
     with socket.socket() as up:
         up.bind(("localhost", 0))
         up.listen()
-        ports = [free_ports(1)[0], up.getsockname()[1], free_ports(1)[0]]
+        # One call for both: two calls can each get the port the other
+        # just closed, and TF_CONFIG refuses the duplicate.
+        first, last = free_ports(2)
+        ports = [first, up.getsockname()[1], last]
         cluster = {"worker": [f"localhost:{p}" for p in ports]}
         proc = run_python("""
             import keras_mgpu
