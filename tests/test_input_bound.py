@@ -99,6 +99,12 @@ def _epoch_records(tmp_path, name, *data, console=False, **fit_kwargs):
         return [r for r in map(json.loads, f) if r["kind"] == "epoch"], model
 
 
+def _verdict_of_its_figures(record, ready):
+    """The `input_bound` a record's own wait and ready fetches give."""
+    share = records._ready_share(record["steps"], ready, record["seconds"])
+    return records._input_bound(record["input_wait"], share)
+
+
 def _slow(x, y):
     x = tf.numpy_function(
         lambda a: (time.sleep(SLOW_BATCH_SECONDS), a)[1], [x], tf.float32,
@@ -131,9 +137,8 @@ def test_each_verdict_is_its_logged_wait_less_ready_fetches_end_to_end(
     out = capsys.readouterr().out
     for r in in_memory:
         assert r["input_wait"] > 0
+        assert r["input_bound"] == _verdict_of_its_figures(r, ready), r
         share = records._ready_share(r["steps"], ready, r["seconds"])
-        assert r["input_bound"] == records._input_bound(r["input_wait"],
-                                                        share), r
         assert input_wait_summary(r["input_wait"], ready=share) in out, out
 
     # A batch that sleeps 200 ms against a step of about a millisecond:
@@ -145,11 +150,8 @@ def test_each_verdict_is_its_logged_wait_less_ready_fetches_end_to_end(
     starved, slow_model = _epoch_records(tmp_path, "slow", slow,
                                          shuffle=False)
     first, *later = starved
-    share = records._ready_share(
-        first["steps"], training_runtime(slow_model).ready_fetch_seconds(),
-        first["seconds"])
-    assert first["input_bound"] == records._input_bound(
-        first["input_wait"], share), first
+    assert first["input_bound"] == _verdict_of_its_figures(
+        first, training_runtime(slow_model).ready_fetch_seconds()), first
     assert [r["input_bound"] for r in later] == ["highly"] * 2, starved
     assert min(r["input_wait"] for r in later) > max(
         r["input_wait"] for r in in_memory), (starved, in_memory)

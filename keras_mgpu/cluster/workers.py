@@ -209,7 +209,8 @@ def _start_worker(command: list, env: dict, cwd: Optional[str],
                   stdout: TextIO, stderr: TextIO) -> subprocess.Popen:
     """Starts one worker process in a session of its own (the launcher
     kills its whole process group), ended with the launcher; the one place
-    a worker is started, so that tests/zygote.py can fork it instead."""
+    a worker is started, so that a caller that must start workers another
+    way (forked from a process that imported TensorFlow) replaces it alone."""
     return subprocess.Popen(tied_to_launcher(command), env=env, cwd=cwd,
                             stdout=stdout, stderr=stderr,
                             start_new_session=True)
