@@ -208,12 +208,12 @@ def test_every_example_has_a_ctrl_c_test():
 
 
 # A search that resumes, a training script that resumes (backup.py resumes
-# through the same BackupAndRestore and `examples/_interrupt.py`), the
-# multi-worker parent and one that does not; the other examples stop
-# through the same `examples/_interrupt.py` (`make test-all`).
+# through the same BackupAndRestore and `examples/_interrupt.py`) and the
+# multi-worker parent, which does not; the other examples stop through the
+# same `examples/_interrupt.py` (`make test-all`).
 @pytest.mark.parametrize("name", [
     pytest.param(name, marks=() if name in (
-        "tune.py", "train.py", "accumulation.py", "multi_worker.py")
+        "tune.py", "train.py", "multi_worker.py")
         else pytest.mark.exhaustive)
     for name in CTRL_C])
 def test_ctrl_c_ends_with_one_line_and_a_rerun_resumes(name, tmp_path):

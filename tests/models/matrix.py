@@ -1,7 +1,8 @@
 """What the tested-models matrix's checks share (tests/models/): the
 sizes, the models' parameters (`.ci/run` runs `CI_MODELS`, the others are
 marked `full_matrix`, which `nox -s models` runs too; the life-cycle checks
-run `CI_LIFECYCLE_MODELS`, the rest of `CI_MODELS` there is `exhaustive`),
+run `CI_LIFECYCLE_MODELS`, the kill and resume `CI_KILL_MODELS`, the rest
+of `CI_MODELS` there is `exhaustive`),
 one `fit` of a catalogue model, and `record`: with
 `KERAS_MGPU_MATRIX_LOG=<path>` each check appends what it measured there
 (one JSON line), which
@@ -15,7 +16,8 @@ import keras
 import numpy as np
 import pytest
 
-from tests.models.catalogue import CI_LIFECYCLE_MODELS, CI_MODELS, MODELS
+from tests.models.catalogue import (
+    CI_KILL_MODELS, CI_LIFECYCLE_MODELS, CI_MODELS, MODELS)
 
 BACKEND = keras.backend.backend()
 MICRO = 8  # global micro-batch
@@ -39,6 +41,7 @@ def model_params(default=CI_MODELS):
 
 MODEL_PARAMS = model_params()
 LIFECYCLE_PARAMS = model_params(CI_LIFECYCLE_MODELS)
+KILL_PARAMS = model_params(CI_KILL_MODELS)
 # `(name, mode)` for accumulation: window mode as `MODEL_PARAMS`, in-step
 # mode as the life cycle's (the convnet's in-step run takes the loop its
 # window run and the transformer's in-step run take: `make test-all`).

@@ -18,14 +18,14 @@ from keras_mgpu.runtime import training_runtime
 from tests.models import workers
 from tests.models.catalogue import MODELS
 from tests.models.matrix import (
-    ACCUM, BACKEND, LIFECYCLE_PARAMS, MICRO, SAMPLES, crossentropy, fit,
-    max_diff, record, subset)
+    ACCUM, BACKEND, KILL_PARAMS, LIFECYCLE_PARAMS, MICRO, SAMPLES,
+    crossentropy, fit, max_diff, record, subset)
 
 
 # --- kill and resume ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", LIFECYCLE_PARAMS)
+@pytest.mark.parametrize("name", KILL_PARAMS)
 def test_sigkill_mid_window_resumes_exactly(two_replicas, run_workers, name,
                                             tmp_path):
     """Killed after global batch 8 of 12 (mid-epoch 2, mid-window), once
