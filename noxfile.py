@@ -50,11 +50,14 @@ CRITICAL = [
 
 # Within those files, tests whose outcome does not depend on the Keras or
 # TensorFlow version (the backup's own file checks and disk faults), and the
-# single-process variants of the kill-and-resume tests (the multi-worker
-# ones, plain and accumulated, stay): the newest pair's full suite runs them.
+# kill-and-resume tests but two workers' accumulated run (through the
+# runtime, the backup and the logger, test_runtime.py): the newest pair's
+# full suite runs them.
 NOT_VERSION_SENSITIVE = [
     "tests/test_runtime.py::"
     "test_killed_run_resumes_exactly_with_continuous_logs[default-plain]",
+    "tests/test_backup_and_restore.py::"
+    "test_multi_worker_kill_and_restart_matches_uninterrupted",
     "tests/test_backup_and_restore.py::"
     "test_sigkill_at_several_steps_resumes_exactly",
     "tests/test_backup_and_restore.py::"

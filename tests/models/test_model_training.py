@@ -148,13 +148,20 @@ def test_the_float32_head_reaches_the_loss(two_replicas, name, policy):
 
 # Each kind of clipping has its own test on sparse gradients of small
 # models (tests/test_sparse_clipping.py); here a real model's embedding,
-# under the global norm by default (the others with `make test-all`).
+# under the global norm by default (the others with `make test-all`). On
+# JAX, whose embedding gradients are dense, with `make test-all` only:
+# tests/backends/test_backend_accumulation.py checks both modes' clipped
+# dense gradients against one device's step on either backend.
+_DENSE_ON_JAX = (pytest.mark.exhaustive,) if BACKEND == "jax" else ()
+
+
 @pytest.mark.parametrize("clip", [
     pytest.param({"clipnorm": 0.05}, marks=pytest.mark.exhaustive),
     pytest.param({"clipvalue": 0.002}, marks=pytest.mark.exhaustive),
     {"global_clipnorm": 0.05}], ids=lambda c: next(iter(c)))
-@pytest.mark.parametrize("name", [p for p in MODEL_PARAMS
-                                  if MODELS[p.values[0]].token_inputs])
+@pytest.mark.parametrize("name", [
+    pytest.param(*p.values, marks=(*p.marks, *_DENSE_ON_JAX))
+    for p in MODEL_PARAMS if MODELS[p.values[0]].token_inputs])
 def test_clipping_sparse_gradients_equals_the_dense_reference(
         two_replicas, name, clip):
     """The token embedding's gradient is sparse on TensorFlow, one row per
