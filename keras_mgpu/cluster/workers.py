@@ -207,7 +207,7 @@ def _run_cluster(command: list, num_workers: int, extras: list, *,
 
 def _start_worker(command: list, env: dict, cwd: Optional[str],
                   stdout: TextIO, stderr: TextIO) -> subprocess.Popen:
-    """Starts one worker process in a session of its own (the launcher
+    """Starts one worker process in a new POSIX session (the launcher
     kills its whole process group), ended with the launcher; the one place
     a worker is started, so that a caller that must start workers another
     way (forked from a process that imported TensorFlow) replaces it alone."""
