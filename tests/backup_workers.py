@@ -236,7 +236,8 @@ def train_steps(backup_dir, result, save_freq=1, keep=1, epochs=2, steps=8,
 
     `local_dir`, `local_save_freq`: a local tier. `settle_at`: at that
     optimizer step, the writes its saves started are committed before its
-    marker is printed.
+    marker is printed, and the process then holds until the test kills it
+    (a kill that lands steps later would find later saves).
     """
     import keras
     import tensorflow as tf
@@ -272,6 +273,8 @@ def train_steps(backup_dir, result, save_freq=1, keep=1, epochs=2, steps=8,
             if step == settle_at:
                 workers.finish_backup_writes()
             marker(f"STEP {step};")
+            if step == settle_at:
+                workers.hold_until_killed()
 
     model.fit(dataset, epochs=epochs, verbose=0, shuffle=False, callbacks=[
         BackupAndRestore(backup_dir, save_freq=save_freq, keep=keep,
