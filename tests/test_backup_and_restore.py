@@ -66,6 +66,10 @@ def uninterrupted():
     return get
 
 
+# Kills mid-window and mid-epoch, each rerun resuming the last one's backup:
+# one kill of each such run is in the default run (test_runtime.py's on two
+# workers, tests/models/'s mid-window on GPT-2), three in a row here.
+@pytest.mark.exhaustive
 def test_sigkill_at_several_steps_resumes_exactly(run_workers, uninterrupted,
                                                   tmp_path):
     # accum_steps=3 with 8 batches per epoch: kills land mid-window and

@@ -49,6 +49,9 @@ def run_example(name, tmp_path, *args, timeout=300):
     return proc.stdout
 
 
+# tune.py and train.py: their Ctrl-C tests below start each as a user
+# does, through training and a resume; the whole smoke run of each is in
+# `make test-all`.
 @pytest.mark.parametrize("name, expected", [
     ("accumulation.py", "optimizer steps in all: 12"),
     ("mixed_precision.py", "output dtype: float32"),
@@ -61,9 +64,11 @@ def run_example(name, tmp_path, *args, timeout=300):
                           "input wait ")),
     ("custom_training_loop.py", "fit: same weights as the loop"),
     ("multi_worker.py", '"replicas": 2'),
-    ("tune.py", "effective/global_batch_size"),
-    ("train.py", ("DefaultDistributionStrategy: 1 replica(s), 1 worker(s)",
-                  "optimizer steps: 128;")),
+    pytest.param("tune.py", "effective/global_batch_size",
+                 marks=pytest.mark.exhaustive),
+    pytest.param("train.py", (
+        "DefaultDistributionStrategy: 1 replica(s), 1 worker(s)",
+        "optimizer steps: 128;"), marks=pytest.mark.exhaustive),
 ])
 def test_example_runs(name, expected, tmp_path):
     output = run_example(name, tmp_path)

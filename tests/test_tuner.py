@@ -304,10 +304,12 @@ def make_tuner(kind, hypermodel, directory):
     return keras_tuner.GridSearch(hypermodel, max_trials=4, **common)
 
 
-# Random search and Hyperband (whose trials resume with more epochs); the
-# other oracles drive the same hook (`make test-all`).
+# Hyperband, whose trials resume with more epochs; the other oracles drive
+# the same hook (random search: the default run's other searches; all of
+# them: `make test-all`).
 @pytest.mark.parametrize("kind", [
-    "random", pytest.param("bayesian", marks=pytest.mark.exhaustive),
+    pytest.param("random", marks=pytest.mark.exhaustive),
+    pytest.param("bayesian", marks=pytest.mark.exhaustive),
     "hyperband", pytest.param("grid", marks=pytest.mark.exhaustive)])
 def test_every_tuner_steps_exactly_and_best_model_keeps_the_trained_rate(
         tmp_path, kind):
@@ -764,6 +766,9 @@ def first_trial_search(directory, seed=None, kill_epoch=None, max_trials=2):
     return tuner_workers.search_resumable(tuner)
 
 
+# A kill in the first trial, which KerasTuner reloads no search for: the
+# resume of a killed trial is in the default run (the test above).
+@pytest.mark.exhaustive
 def test_a_search_killed_in_its_first_trial_resumes_that_trial(run_workers,
                                                                tmp_path):
     """A search killed (SIGKILL) in epoch 3 of 4 of its first trial: the
@@ -889,6 +894,10 @@ def _checkpoints(directory):
     return found
 
 
+# Parallel tuning's reruns: a kill's on the same resume as one worker's
+# (the default run's killed search) and a chief with two workers
+# (test_launch_chief_and_two_workers); both together: `make test-all`.
+@pytest.mark.exhaustive
 def test_parallel_reruns_after_a_kill_and_a_finish_redo_no_trial(tmp_path):
     def search(num_workers=1, **kwargs):
         results = mgpu_tuner.launch(

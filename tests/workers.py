@@ -234,23 +234,32 @@ def multi_worker_accumulation():
     return accumulation_run(keras_mgpu.auto_strategy())
 
 
-def in_step_runs(strategy, reference=False):
+def in_step_configs():
+    """`in_step_runs`'s configurations by name: (optimizer name, compile
+    arguments); each optimizer, and steps_per_execution / jit_compile on
+    Adam with global clipping."""
+    configs = {name: (name, {}) for name in optimizers()}
+    for steps, jit in ((4, False), (1, True), (4, True)):
+        configs[f"spe{steps}-jit{jit}"] = (
+            "adam_global_clipnorm",
+            {"steps_per_execution": steps, "jit_compile": jit})
+    return configs
+
+
+def in_step_runs(strategy, names, reference=False):
     """`mode="in_step"` fits over 5 big batches of 32 and one of 20, for
-    each optimizer and for steps_per_execution / jit_compile on Adam with
-    global clipping; `reference=True`: plain `fit` on the same batches."""
+    the configurations `names` of `in_step_configs()`; `reference=True`:
+    plain `fit` on the same batches."""
     import keras
     import tensorflow as tf
 
     from keras_mgpu import GradientAccumulationModel
 
     x, y = regression_data(180)
-    configs = {name: (name, {}) for name in optimizers()}
-    for steps, jit in ((4, False), (1, True), (4, True)):
-        configs[f"spe{steps}-jit{jit}"] = (
-            "adam_global_clipnorm",
-            {"steps_per_execution": steps, "jit_compile": jit})
+    configs = in_step_configs()
     runs = {}
-    for name, (optimizer, compile_kwargs) in configs.items():
+    for name in names:
+        optimizer, compile_kwargs = configs[name]
         dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(32)
         with strategy.scope():
             model = build_mlp()
@@ -268,11 +277,11 @@ def in_step_runs(strategy, reference=False):
     return runs
 
 
-def multi_worker_in_step():
+def multi_worker_in_step(names):
     """Worker entry point: `in_step_runs` under auto_strategy()."""
     import keras_mgpu
 
-    return in_step_runs(keras_mgpu.auto_strategy())
+    return in_step_runs(keras_mgpu.auto_strategy(), names)
 
 
 def multi_worker_fp32_head():
