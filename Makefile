@@ -81,8 +81,8 @@ typecheck: $(VENV)/.installed-dev-$(ID)
 models: $(VENV)/.installed-dev-$(ID)
 	$(VENV)/bin/nox -s models
 
-# The distribution-critical tests on the oldest and newest supported
-# TensorFlow/Keras pairs (noxfile.py); NOX_ARGS="-s oldest" runs one.
+# The version-sensitive tests (noxfile.py's CRITICAL) on the oldest and
+# newest supported TensorFlow/Keras pairs; NOX_ARGS="-s oldest" runs one.
 matrix: $(VENV)/.installed-dev-$(ID)
 	$(VENV)/bin/nox $(NOX_ARGS)
 

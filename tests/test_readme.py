@@ -122,12 +122,18 @@ def test_every_snippet_starts_quiet():
                                "keras_mgpu.quiet_tensorflow()"), code[:200]
 
 
-@pytest.mark.parametrize("level", LEVELS.values(), ids=LEVELS)
-@pytest.mark.parametrize("argv", [
-    ["keras-mgpu", "doctor"],
-    # Documented (docs/cli.md) as the same command.
-    ["python", "-m", "keras_mgpu", "doctor"],
-], ids=["console-script", "python-m"])
+# Each way to start it and each level once (both with both: `make
+# test-all`): the console script and `python -m` start the same `main`.
+@pytest.mark.parametrize("argv, level", [
+    pytest.param(argv, level, id=f"{way}-{name}",
+                 marks=() if (way, name) in (
+                     ("console-script", "level-unset"),
+                     ("python-m", "level-3")) else pytest.mark.exhaustive)
+    for way, argv in (
+        ("console-script", ["keras-mgpu", "doctor"]),
+        # Documented (docs/cli.md) as the same command.
+        ("python-m", ["python", "-m", "keras_mgpu", "doctor"]))
+    for name, level in LEVELS.items()])
 def test_documented_command_prints_no_tensorflow_log_line(argv, level,
                                                           tmp_path):
     bin_dir = os.path.dirname(sys.executable)

@@ -238,7 +238,9 @@ def test_multi_worker_matches_single_process(uninterrupted):
         assert max_diff(multi["weights"], single["weights"]) <= 1e-5
 
 
-@pytest.mark.parametrize("saved_on, resumed_on", [(2, 1), (1, 2)])
+# Both directions rescale the same global sums: 1 to 2 in `make test-all`.
+@pytest.mark.parametrize("saved_on, resumed_on", [
+    (2, 1), pytest.param(1, 2, marks=pytest.mark.exhaustive)])
 def test_resume_on_another_replica_count_is_exact(
         uninterrupted, tmp_path, saved_on, resumed_on):
     """Saved mid-window on one replica count, resumed on the other, with the
