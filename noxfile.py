@@ -94,8 +94,8 @@ def _run_critical(session: nox.Session, *extra: str) -> None:
                 "import tensorflow as tf, keras; "
                 "print('testing TensorFlow', tf.__version__, "
                 "'with Keras', keras.__version__)")
-    # .ci/run runs this beside `make test`, on one pytest worker.
     deselected = [f"--deselect={test}" for test in NOT_VERSION_SENSITIVE]
+    # .ci/run runs this beside `make test`, on one pytest worker.
     workers = os.environ.get("KERAS_MGPU_NOX_WORKERS", "2")
     session.run("python", "-m", "pytest", "-n", workers, "--dist", "loadfile",
                 *(session.posargs or [*CRITICAL, *extra, *deselected]),

@@ -207,10 +207,11 @@ def _run_cluster(command: list, num_workers: int, extras: list, *,
 
 def _start_worker(command: list, env: dict, cwd: Optional[str],
                   stdout: TextIO, stderr: TextIO) -> subprocess.Popen:
-    """Starts one worker process in a new POSIX session (the launcher
-    kills its whole process group), ended with the launcher; the one place
-    a worker is started, so that a caller that must start workers another
-    way (forked from a process that imported TensorFlow) replaces it alone."""
+    """Starts one worker process as the leader of a new process group
+    (`start_new_session`: the launcher kills the whole group), ended with
+    the launcher; the one place a worker is started, so that a caller that
+    must start workers another way (forked from a process that imported
+    TensorFlow) replaces it alone."""
     return subprocess.Popen(tied_to_launcher(command), env=env, cwd=cwd,
                             stdout=stdout, stderr=stderr,
                             start_new_session=True)
